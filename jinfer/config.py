@@ -1,0 +1,142 @@
+"""Model configuration: one frozen dataclass, read from HF config.json or GGUF metadata."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  architecture: str  # one of SUPPORTED_ARCHITECTURES
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 10000.0
+  # None, or a dict with "rope_type" in ("linear", "llama3") and that type's parameters.
+  rope_scaling: tuple[tuple[str, Any], ...] | None = None
+  max_position_embeddings: int = 2048
+  tie_word_embeddings: bool = False
+  attention_bias: bool = False  # Qwen2: biases on q/k/v projections
+  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
+  # Per-layer sliding window (None = full attention), length num_layers.
+  sliding_windows: tuple[int | None, ...] = ()
+  bos_token_id: int | None = None
+  eos_token_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.architecture not in SUPPORTED_ARCHITECTURES:
+      raise ValueError(f"unsupported architecture {self.architecture!r}; jinfer supports "
+                       f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                       f"num_kv_heads={self.num_kv_heads}")
+    if not self.sliding_windows:
+      object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+    if len(self.sliding_windows) != self.num_layers:
+      raise ValueError("sliding_windows must have one entry per layer")
+
+  @property
+  def rope_scaling_dict(self) -> dict[str, Any] | None:
+    return dict(self.rope_scaling) if self.rope_scaling else None
+
+  def inv_freq(self) -> np.ndarray:  # [head_dim // 2] float64
+    """Rotary inverse frequencies, with HF's scaling rules applied."""
+    inv = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+    sc = self.rope_scaling_dict
+    if sc is None:
+      return inv
+    kind = sc["rope_type"]
+    if kind == "linear":
+      return inv / sc["factor"]
+    if kind == "llama3":
+      factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+      old_len = sc["original_max_position_embeddings"]
+      low_wavelen, high_wavelen = old_len / lo, old_len / hi
+      wavelen = 2 * math.pi / inv
+      scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+      smooth = (old_len / wavelen - lo) / (hi - lo)
+      smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+      medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+      return np.where(medium, smoothed, scaled)
+    raise AssertionError(kind)  # rejected in from_hf_dict
+
+  @classmethod
+  def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    arch = d.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+      raise ValueError(f"{source}: unsupported architecture model_type={arch!r}; jinfer supports "
+                       f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    try:
+      num_layers = d["num_hidden_layers"]
+      num_heads = d["num_attention_heads"]
+      hidden = d["hidden_size"]
+      # transformers 5 writes rope_parameters; older files have rope_theta / rope_scaling.
+      rope = dict(d.get("rope_parameters") or {})
+      theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+      if not rope and d.get("rope_scaling"):
+        rope = dict(d["rope_scaling"])
+        if "type" in rope and "rope_type" not in rope:
+          rope["rope_type"] = rope.pop("type")
+      kind = rope.get("rope_type", "default")
+      if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"{source}: unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+      scaling = tuple(sorted(rope.items())) if kind != "default" else None
+
+      windows: list[int | None] = [None] * num_layers
+      window = d.get("sliding_window")
+      if arch == "mistral" and window:
+        windows = [window] * num_layers
+      elif arch in ("qwen2", "qwen3") and d.get("use_sliding_window") and window:
+        types = d.get("layer_types") or [
+            "sliding_attention" if i >= d.get("max_window_layers", num_layers) else "full_attention"
+            for i in range(num_layers)]
+        windows = [window if t == "sliding_attention" else None for t in types]
+
+      eos = d.get("eos_token_id")
+      eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+      return cls(
+          architecture=arch,
+          vocab_size=d["vocab_size"],
+          hidden_size=hidden,
+          intermediate_size=d["intermediate_size"],
+          num_layers=num_layers,
+          num_heads=num_heads,
+          num_kv_heads=d.get("num_key_value_heads") or num_heads,
+          head_dim=d.get("head_dim") or hidden // num_heads,
+          rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+          rope_theta=float(theta),
+          rope_scaling=scaling,
+          max_position_embeddings=d.get("max_position_embeddings", 2048),
+          tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+          attention_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
+          qk_norm=arch == "qwen3",
+          sliding_windows=tuple(windows),
+          bos_token_id=d.get("bos_token_id"),
+          eos_token_ids=eos_ids,
+      )
+    except KeyError as e:
+      raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
+
+  @classmethod
+  def from_hf_dir(cls, path: str) -> "ModelConfig":
+    f = os.path.join(path, "config.json")
+    if not os.path.exists(f):
+      raise FileNotFoundError(f"{path}: no config.json (expected an HF model directory)")
+    try:
+      with open(f) as fh:
+        d = json.load(fh)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{f}: not valid JSON ({e})") from None
+    return cls.from_hf_dict(d, source=f)

@@ -1,0 +1,1 @@
+"""Weight formats: HF safetensors directories, GGUF files, orbax checkpoints of jinfer params."""

@@ -1,0 +1,8 @@
+"""Attention and matmul kernels. Imports nothing from jinfer.
+
+Each op has one public entry point and a pure-jnp oracle beside its kernels.
+"""
+from pallas_kernels.kv_cache_layout import KVCacheSpec, write_kv
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+__all__ = ["KVCacheSpec", "write_kv", "ragged_paged_attention"]
