@@ -2,9 +2,13 @@
 
 Queries of all sequences are packed flat (`q [T, Hq, D]`, sequence s owns rows
 `cu_q_lens[s]:cu_q_lens[s+1]`). Each sequence's queries are the last `q_len` positions of its
-`kv_len` tokens, so prefill, chunked prefill and decode are one case. Cost follows the batch's
-shapes, not `max_model_len`: queries are regrouped per sequence into `[S, max_q_len]` and keys are
-gathered only for the `P` pages the caller passes (the engine passes a bucketed width).
+`kv_len` tokens, so prefill, chunked prefill and decode are one case.
+
+Cost follows the batch, not `max_model_len`: keys are visited a block of pages at a time with an
+online softmax in a while loop that stops at the longest sequence's last page (gathering every
+page of the table at once allocated a fresh copy of the whole KV, which dominated a decode step
+on the CPU). Queries are regrouped per sequence in two groups: every sequence's first query row
+(all that a decode has), then the sequences with more than one query, padded to `max_q_len`.
 """
 from __future__ import annotations
 
@@ -12,6 +16,64 @@ import jax
 import jax.numpy as jnp
 
 _NEG_INF = -1e30
+
+
+def _attend(
+    qg: jax.Array,  # [G, Qb, Hkv, Gq, D] float32, queries of G sequences
+    kv_cache: jax.Array,  # [num_pages, 2, Hkv, page_size, D]
+    pages: jax.Array,  # [G, P] int32, P a multiple of pages_per_block
+    kv_lens: jax.Array,  # [G]
+    q_lens: jax.Array,  # [G]
+    *,
+    pages_per_block: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    k_scale: float | None,
+    v_scale: float | None,
+) -> jax.Array:  # [G, Qb, Hkv, Gq, D] float32
+  g, qb, hkv, gq, d = qg.shape
+  page_size = kv_cache.shape[3]
+  bk = pages_per_block * page_size
+  qi = jnp.arange(qb)
+  qpos = (kv_lens - q_lens)[:, None] + qi[None, :]  # [G, Qb]
+  q_live = qi[None, :] < q_lens[:, None]  # [G, Qb]
+
+  def body(carry):
+    blk, m, l, acc = carry
+    ids = jax.lax.dynamic_slice_in_dim(pages, blk * pages_per_block, pages_per_block, axis=1)
+    kv = kv_cache[ids].astype(jnp.float32)  # [G, Pb, 2, Hkv, ps, D]
+    k, v = kv[:, :, 0], kv[:, :, 1]  # [G, Pb, Hkv, ps, D]
+    if k_scale is not None:
+      k = k * k_scale
+    if v_scale is not None:
+      v = v * v_scale
+    kpos = blk * bk + jnp.arange(bk)  # [Bk]
+    k_valid = kpos[None, :] < kv_lens[:, None]  # [G, Bk]
+    # Slots past kv_len may hold anything, NaN included: 0 * NaN must never reach the output.
+    v = jnp.where(k_valid.reshape(g, pages_per_block, 1, page_size, 1), v, 0.0)
+    s = jnp.einsum("gqhxd,gphsd->ghxqps", qg, k).reshape(g, hkv, gq, qb, bk) * sm_scale
+    if soft_cap is not None:
+      s = soft_cap * jnp.tanh(s / soft_cap)
+    mask = (kpos[None, None, :] <= qpos[:, :, None]) & k_valid[:, None, :] & q_live[:, :, None]
+    if sliding_window is not None:
+      mask &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
+    mask = mask[:, None, None]  # [G, 1, 1, Qb, Bk]
+    s = jnp.where(mask, s, _NEG_INF)
+    m_new = jnp.maximum(m, s.max(axis=-1))  # [G, Hkv, Gq, Qb]
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    l = l * alpha + p.sum(axis=-1)
+    pv = jnp.einsum("ghxqk,gkhd->ghxqd", p,
+                    v.transpose(0, 1, 3, 2, 4).reshape(g, bk, hkv, d))
+    return blk + 1, m_new, l, acc * alpha[..., None] + pv
+
+  n_blocks = (jnp.max(kv_lens, initial=0) + bk - 1) // bk
+  init = (jnp.int32(0), jnp.full((g, hkv, gq, qb), _NEG_INF, jnp.float32),
+          jnp.zeros((g, hkv, gq, qb), jnp.float32), jnp.zeros((g, hkv, gq, qb, d), jnp.float32))
+  _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < n_blocks, body, init)
+  out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # rows with no keys come out 0
+  return out.transpose(0, 3, 1, 2, 4)  # [G, Qb, Hkv, Gq, D]
 
 
 def ragged_paged_attention_reference(
@@ -28,58 +90,48 @@ def ragged_paged_attention_reference(
     k_scale: float | None = None,
     v_scale: float | None = None,
     max_q_len: int | None = None,
+    max_prefill_seqs: int | None = None,
+    pages_per_block: int | None = None,
 ) -> jax.Array:  # [T, Hq, D]
+  """`max_q_len` bounds any sequence's query count (static; default T) and `max_prefill_seqs`
+  how many sequences have more than one query (static; default S)."""
   t, hq, d = q.shape
   s, p = page_indices.shape
   _, _, hkv, page_size, _ = kv_cache.shape
-  g = hq // hkv
+  gq = hq // hkv
   qb = t if max_q_len is None else min(max_q_len, t)
-  kl = p * page_size
+  sp = s if max_prefill_seqs is None else min(max_prefill_seqs, s)
+  ppb = min(p, pages_per_block or max(1, 32 // page_size))  # ~32 keys: fastest on CPU
+  if p % ppb:  # pad the table so blocks tile it; the extra entries are never valid keys
+    page_indices = jnp.pad(page_indices, ((0, 0), (0, ppb - p % ppb)))
+  kw = dict(pages_per_block=ppb, sm_scale=sm_scale, sliding_window=sliding_window,
+            soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
 
-  valid_seq = jnp.arange(s) < num_seqs[0]  # [S]
-  q_lens = jnp.where(valid_seq, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
-  kv_lens = jnp.where(valid_seq, kv_lens, 0)
+  live = jnp.arange(s) < num_seqs[0]  # [S]
+  q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
+  kv_lens = jnp.where(live, kv_lens, 0)
+  qf = q.astype(jnp.float32).reshape(t, hkv, gq, d)
+  out = jnp.zeros((t + 1, hkv, gq, d), jnp.float32)  # row t swallows writes of padding rows
 
-  # Queries regrouped per sequence.
-  qi = jnp.arange(qb)  # [Qb]
-  rows = jnp.clip(cu_q_lens[:-1, None] + qi[None, :], 0, t - 1)  # [S, Qb]
-  qp = q[rows].astype(jnp.float32).reshape(s, qb, hkv, g, d)  # [S, Qb, Hkv, G, D]
+  def scatter(out, seqs, group_q_lens, group_out):  # group_out [G, Qb', Hkv, Gq, D]
+    qi = jnp.arange(group_out.shape[1])
+    rows = cu_q_lens[seqs][:, None] + qi[None, :]  # [G, Qb']
+    rows = jnp.where(qi[None, :] < group_q_lens[:, None], rows, t)
+    return out.at[rows].set(group_out)
 
-  # Keys/values of each sequence's pages, flattened to positions.
-  pages = kv_cache[page_indices]  # [S, P, 2, Hkv, page_size, D]
-  kv = pages.transpose(0, 2, 3, 1, 4, 5).reshape(s, 2, hkv, kl, d).astype(jnp.float32)
-  k, v = kv[:, 0], kv[:, 1]  # [S, Hkv, L, D]
-  if k_scale is not None:
-    k = k * k_scale
-  if v_scale is not None:
-    v = v * v_scale
-  kpos = jnp.arange(kl)  # [L]
-  k_valid = kpos[None, :] < kv_lens[:, None]  # [S, L]
-  # Unused slots may hold anything (NaN included): zero them so 0 * NaN never reaches the output.
-  k = jnp.where(k_valid[:, None, :, None], k, 0.0)
-  v = jnp.where(k_valid[:, None, :, None], v, 0.0)
+  # Group 1: the first query of every sequence (a decode's only one).
+  first = jnp.minimum(cu_q_lens[:-1], t - 1)
+  q1 = jnp.minimum(q_lens, 1)
+  o1 = _attend(qf[first][:, None], kv_cache, page_indices, kv_lens - q_lens + q1, q1, **kw)
+  out = scatter(out, jnp.arange(s), q1, o1)
 
-  scores = jnp.einsum("sqhgd,shld->shgql", qp, k) * sm_scale  # [S, Hkv, G, Qb, L]
-  if soft_cap is not None:
-    scores = soft_cap * jnp.tanh(scores / soft_cap)
-
-  qpos = (kv_lens - q_lens)[:, None] + qi[None, :]  # [S, Qb]
-  mask = (kpos[None, None, :] <= qpos[:, :, None]) & k_valid[:, None, :]  # [S, Qb, L]
-  mask &= (qi[None, :] < q_lens[:, None])[:, :, None]
-  if sliding_window is not None:
-    mask &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
-  mask = mask[:, None, None]  # [S, 1, 1, Qb, L]
-  scores = jnp.where(mask, scores, _NEG_INF)
-  m = jnp.max(scores, axis=-1, keepdims=True)
-  e = jnp.where(mask, jnp.exp(scores - m), 0.0)
-  denom = jnp.sum(e, axis=-1, keepdims=True)
-  probs = e / jnp.where(denom == 0.0, 1.0, denom)
-  out = jnp.einsum("shgql,shld->sqhgd", probs, v).reshape(s, qb, hq, d)  # [S, Qb, Hq, D]
-
-  # Back to the flat token order; rows past the last sequence are padding and come out zero.
-  tok = jnp.arange(t)
-  seq_of_tok = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), 0, s - 1)  # [T]
-  pos_in_seq = tok - cu_q_lens[seq_of_tok]
-  live = (tok < cu_q_lens[num_seqs[0]]) & (pos_in_seq < qb)
-  res = out[seq_of_tok, jnp.clip(pos_in_seq, 0, qb - 1)]  # [T, Hq, D]
-  return jnp.where(live[:, None, None], res, 0.0).astype(q.dtype)
+  # Group 2: sequences with several queries (prefill chunks), each padded to qb rows.
+  if qb > 1:
+    (multi,) = jnp.nonzero(q_lens > 1, size=sp, fill_value=0)
+    valid = q_lens[multi] > 1  # fill entries are dead
+    mq_lens = jnp.where(valid, q_lens[multi], 0)
+    rows = jnp.minimum(cu_q_lens[multi][:, None] + jnp.arange(qb)[None, :], t - 1)  # [Sp, Qb]
+    o2 = _attend(qf[rows], kv_cache, page_indices[multi], jnp.where(valid, kv_lens[multi], 0),
+                 mq_lens, **kw)
+    out = scatter(out, multi, mq_lens, o2)
+  return out[:t].reshape(t, hq, d).astype(q.dtype)

@@ -1,0 +1,56 @@
+"""How a ragged batch splits into kernel programs: which sequences and query rows each one owns.
+
+All of it is plain jnp run before the kernels, so the kernels read ready-made scalar tables instead
+of searching `cu_q_lens` themselves or carrying a cursor from one grid step to the next.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sanitize_cu_q_lens(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:  # [S+1]
+  """Entries past `num_seqs` repeat the live total, so the array is non-decreasing.
+
+  Callers may pad the tail with anything (zeros, stale values); every search below assumes
+  sorted offsets, and padding sequences then own zero query rows.
+  """
+  n = num_seqs[0]
+  return jnp.where(jnp.arange(cu_q_lens.shape[0]) <= n, cu_q_lens, cu_q_lens[n])
+
+
+def q_block_seq_ranges(
+    cu_q_lens: jax.Array,  # [S+1] sanitized
+    num_seqs: jax.Array,  # [1]
+    block_q: int,
+    num_q_blocks: int,
+) -> tuple[jax.Array, jax.Array]:  # ([NQB], [NQB]) int32
+  """Half-open range of sequences whose query rows overlap each block of `block_q` flat tokens."""
+  blk_lo = jnp.arange(num_q_blocks, dtype=jnp.int32) * block_q  # [NQB]
+  # First sequence ending after the block starts; sequences starting before the block ends.
+  lo = jnp.searchsorted(cu_q_lens[1:], blk_lo, side="right").astype(jnp.int32)
+  hi = jnp.searchsorted(cu_q_lens[:-1], blk_lo + block_q, side="left").astype(jnp.int32)
+  n = num_seqs[0]
+  return jnp.minimum(lo, n), jnp.minimum(hi, n)
+
+
+def seq_q_blocks(
+    cu_q_lens: jax.Array,  # [S+1] sanitized
+    block_q: int,
+    num_items: int,
+) -> tuple[jax.Array, jax.Array]:  # ([NB], [NB]) int32
+  """Work items of at most `block_q` query tokens, each inside one sequence.
+
+  Returns each item's sequence (-1 for the unused tail of the `num_items` slots) and its first
+  flat token. `num_items` must bound sum_s cdiv(q_len_s, block_q), e.g. cdiv(T, block_q) + S.
+  """
+  s = cu_q_lens.shape[0] - 1
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
+  nblk = (q_lens + block_q - 1) // block_q  # [S]
+  ends = jnp.cumsum(nblk)  # [S]
+  b = jnp.arange(num_items, dtype=jnp.int32)  # [NB]
+  seq = jnp.searchsorted(ends, b, side="right").astype(jnp.int32)  # [NB]; S past the last item
+  seq_c = jnp.minimum(seq, s - 1)
+  tok = cu_q_lens[seq_c] + (b - (ends - nblk)[seq_c]) * block_q
+  live = seq < s
+  return jnp.where(live, seq, -1), jnp.where(live, tok, 0).astype(jnp.int32)
