@@ -57,4 +57,6 @@ def ragged_paged_attention(
     kw.update(interpret=interpret, **block_sizes)
   elif block_sizes or interpret:
     raise ValueError("the reference backend takes no block sizes and no interpret mode")
+  else:
+    kw.update(max_prefill_seqs=max_prefill_seqs)
   return _IMPLS[backend](q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, **kw)
