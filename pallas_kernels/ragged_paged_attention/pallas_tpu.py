@@ -36,6 +36,12 @@ from pallas_kernels.ragged_paged_attention.schedule import q_block_seq_ranges, s
 _NEG_INF = -1e30
 
 
+def _cdiv(a: jax.Array, b: int) -> jax.Array:
+  # Operands are non-negative, so truncating division is exact; jnp's floor division would emit
+  # a sign fix-up whose Mosaic lowering queries the chip.
+  return lax.div(a + b - 1, b)
+
+
 def _kernel(
     # Scalar prefetch (SMEM).
     kv_lens_ref,  # [S]
@@ -78,16 +84,15 @@ def _kernel(
     # Scalars of sequence s as seen from this block. Query token t sits at position base + t.
     s = jnp.minimum(s, num_seq_slots - 1)  # loop conditions evaluate one index past the end
     q_start, q_end = cu_q_lens_ref[s], cu_q_lens_ref[s + 1]
-    kv_len = kv_lens_ref[s]
     t_lo, t_hi = jnp.maximum(q_start, blk_lo), jnp.minimum(q_end, blk_hi)
-    base = kv_len - q_end
+    base = kv_lens_ref[s] - q_end
     key_end = base + t_hi  # keys at positions >= this are past every query of the block
-    kb_end = jnp.where(t_hi > t_lo, (key_end + bk - 1) // bk, 0)
+    kb_end = jnp.where(t_hi > t_lo, _cdiv(key_end, bk), 0)
     if sliding_window is None:
       kb_start = jnp.int32(0)
     else:
-      kb_start = jnp.maximum(base + t_lo - sliding_window + 1, 0) // bk
-    return t_lo, t_hi, base, kv_len, key_end, kb_start, kb_end
+      kb_start = lax.div(jnp.maximum(base + t_lo - sliding_window + 1, 0), bk)
+    return t_lo, t_hi, base, key_end, kb_start, kb_end
 
   def first_block_from(s):
     # First sequence at or after s that has rows in this block; seq_hi when none is left.
@@ -96,35 +101,36 @@ def _kernel(
       return (s < seq_hi) & (kb_start >= kb_end)
 
     s = lax.while_loop(cond, lambda s: s + 1, s)
-    return s, seq_info(s)[5]
+    return s, seq_info(s)[4]
 
   def next_block(s, kb):
     *_, kb_end = seq_info(s)
     return lax.cond(kb + 1 < kb_end, lambda: (s, kb + 1), lambda: first_block_from(s + 1))
 
-  def page_copies(s, kb, slot):
-    # One DMA per page the block needs; pages past the last needed key are never touched.
-    *_, key_end, _, _ = seq_info(s)
+  def for_each_page_copy(s, kb, slot, action):
+    # One DMA per page the block needs; pages past the last needed key are never touched (their
+    # page-table entries may be anything). All copies of a slot count on that slot's semaphore.
+    _, _, _, key_end, _, _ = seq_info(s)
     first = kb * pages_per_block
-    n = jnp.minimum(pages_per_block, (key_end + page_size - 1) // page_size - first)
+    n = jnp.minimum(pages_per_block, _cdiv(key_end, page_size) - first)
 
-    def copy(j):
+    def one(j, carry):
       page = page_indices_ref[s * pages_per_seq + first + j]
-      return pltpu.make_async_copy(
-          kv_hbm.at[page], kv_buf.at[slot, :, :, pl.ds(j * page_size, page_size), :], sems.at[slot])
+      action(pltpu.make_async_copy(
+          kv_hbm.at[page], kv_buf.at[slot, :, :, pl.ds(j * page_size, page_size), :],
+          sems.at[slot]))
+      return carry
 
-    return n, copy
+    lax.fori_loop(0, n, one, 0)
 
   def start_fetch(s, kb, slot):
-    n, copy = page_copies(s, kb, slot)
-    lax.fori_loop(0, n, lambda j, c: (copy(j).start(), c)[1], 0)
+    for_each_page_copy(s, kb, slot, lambda c: c.start())
 
   def wait_fetch(s, kb, slot):
-    n, copy = page_copies(s, kb, slot)
-    lax.fori_loop(0, n, lambda j, c: (copy(j).wait(), c)[1], 0)
+    for_each_page_copy(s, kb, slot, lambda c: c.wait())
 
   def compute(s, kb, slot):
-    t_lo, t_hi, base, kv_len, _, _, _ = seq_info(s)
+    t_lo, t_hi, base, key_end, _, _ = seq_info(s)
     # Row r is token blk_lo + r // G; compare through r and G so no vector division is needed.
     r = lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
     kpos = kb * bk + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
@@ -133,9 +139,10 @@ def _kernel(
     mask &= r >= (kpos - qbase) * group  # causal: key pos <= query pos
     if sliding_window is not None:
       mask &= r < (kpos + sliding_window - qbase) * group
-    # Slots past kv_len may hold anything (NaN in stale pages): zero V there so 0 * NaN never
-    # reaches the accumulator. Masked scores are replaced, so K needs no such care.
-    v_live = kb * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < kv_len
+    # Slots past key_end were not fetched (stale or uninitialized VMEM) or hold NaN past kv_len:
+    # zero V there so 0 * NaN never reaches the accumulator. Masked scores are replaced, so K
+    # needs no such care.
+    v_live = kb * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < key_end
 
     def head(h, carry):
       q = q_ref[h]  # [R, D]
