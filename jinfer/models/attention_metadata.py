@@ -14,3 +14,5 @@ class AttentionMetadata:
   num_seqs: jax.Array  # [1] int32: live sequences; rows past them are padding
   # Static bound on any sequence's query count this step (1 for decode-only steps).
   max_q_len: int | None = struct.field(pytree_node=False, default=None)
+  # Static bound on how many sequences have more than one query this step.
+  max_prefill_seqs: int | None = struct.field(pytree_node=False, default=None)

@@ -87,7 +87,8 @@ class Attention(nn.Module):
     o = ragged_paged_attention(
         q, kv_cache, md.kv_lens, md.block_table, md.cu_q_lens, md.num_seqs,
         sm_scale=d ** -0.5, sliding_window=c.sliding_windows[self.layer_idx],
-        max_q_len=md.max_q_len, backend=self.attention_backend)  # [T, Hq, D]
+        max_q_len=md.max_q_len, max_prefill_seqs=md.max_prefill_seqs,
+        backend=self.attention_backend)  # [T, Hq, D]
     out = Linear((hq, d, e), ("q_heads", "head_dim", "embed"), n_in=2, dtype=self.dtype,
                  name="o_proj")(o)  # [T, E]
     return out, kv_cache

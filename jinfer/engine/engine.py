@@ -1,0 +1,282 @@
+"""LLMEngine: requests in, incremental outputs out, one scheduled step at a time."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jinfer.engine.block_manager import BlockManager
+from jinfer.engine.engine_config import EngineConfig
+from jinfer.engine.request import (CompletionOutput, RequestMetrics, RequestOutput, Sequence,
+                                   Status)
+from jinfer.engine.runner import ModelRunner
+from jinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jinfer.engine.step_input import MAX_BANNED, Buckets, build_step_input
+from jinfer.sample import SampleOutput
+from jinfer.sampling_params import SamplingParams
+from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+from jinfer.weights.loader import DEFAULT_MODEL, load_model
+from pallas_kernels import KVCacheSpec
+from pallas_kernels.ragged_paged_attention import default_backend
+
+
+@dataclasses.dataclass
+class _Group:
+  """A request: its n sequences and what it was asked."""
+  request_id: str
+  prompt: str | None
+  prompt_token_ids: list[int]
+  params: SamplingParams
+  seqs: list[Sequence]
+
+  @property
+  def finished(self) -> bool:
+    return all(s.finished for s in self.seqs)
+
+
+@dataclasses.dataclass
+class EngineStats:
+  num_running: int
+  num_waiting: int
+  kv_utilization: float  # token slots used / slots in allocated pages
+  kv_pages_used: float  # allocated pages / usable pages
+  prefix_hit_rate: float  # prompt tokens served from cache / prompt tokens looked up
+  num_preemptions: int
+  prompt_tokens: int  # computed (not cached) prompt tokens so far
+  generation_tokens: int
+  num_steps: int
+
+
+class LLMEngine:
+
+  def __init__(self, model: str = DEFAULT_MODEL, *, dtype=None,
+               config: EngineConfig | None = None, warmup: bool = True, _loaded=None):
+    self.config = config = config or EngineConfig()
+    if dtype is None:  # bf16 matvec is ~15x slower than f32 on XLA:CPU
+      dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    model_config, params, self.tokenizer = _loaded or load_model(model, dtype)
+    self.model_config = model_config
+    self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
+    config = self.config = dataclasses.replace(config, max_model_len=self.max_model_len)
+    self.eos_ids = tuple(model_config.eos_token_ids) or self.tokenizer.eos_token_ids
+    num_pages = config.resolved_num_pages()
+    self.blocks = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
+    self.scheduler = Scheduler(SchedulerConfig(
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_prefill_seqs=config.max_prefill_seqs,
+        continuous_batching=config.continuous_batching), self.blocks)
+    self.buckets = Buckets(max_num_seqs=config.max_num_seqs,
+                           max_num_batched_tokens=config.max_num_batched_tokens,
+                           max_prefill_seqs=config.max_prefill_seqs,
+                           max_pages_per_seq=config.max_pages_per_seq,
+                           max_model_len=self.max_model_len)
+    spec = KVCacheSpec(num_layers=model_config.num_layers, num_pages=num_pages,
+                       page_size=config.page_size, num_kv_heads=model_config.num_kv_heads,
+                       head_dim=model_config.head_dim, dtype=dtype)
+    self.runner = ModelRunner(model_config, params, spec, self.buckets,
+                              attention_backend=config.attention_backend or default_backend(),
+                              dtype=dtype)
+    self.groups: dict[str, _Group] = {}
+    self._seed_rng = np.random.default_rng(config.seed)
+    self._ids = itertools.count()
+    self.num_steps = self.prompt_tokens = self.generation_tokens = 0
+    self.warmup_seconds = self.runner.warmup() if warmup else 0.0
+
+  # -- requests -----------------------------------------------------------------------------
+  def tokenize(self, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+      return self.tokenizer.encode(prompt)
+    return [int(t) for t in prompt]
+
+  def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    """Raise ValueError for anything that cannot run; called before anything is queued."""
+    n = len(prompt_token_ids)
+    if n == 0:
+      raise ValueError("the prompt is empty")
+    vocab = self.model_config.vocab_size
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+    if bad:
+      raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    if n >= self.max_model_len:
+      raise ValueError(f"the prompt has {n} tokens; max_model_len is {self.max_model_len} "
+                       f"(prompt + at least one output token must fit)")
+    if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+      raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                       f"max_model_len ({self.max_model_len})")
+    if params.min_tokens and len(self.eos_ids) + len(params.stop_token_ids) > MAX_BANNED:
+      raise ValueError(f"min_tokens supports at most {MAX_BANNED} stop token ids")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+    if bad:
+      raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    if params.prompt_logprobs is not None:
+      raise ValueError("prompt_logprobs is not supported by this engine yet")
+
+  def add_request(self, request_id: str | None, prompt: str | list[int],
+                  params: SamplingParams | None = None, *, arrival_time: float | None = None,
+                  cache_salt: str | None = None) -> str:
+    params = params or SamplingParams()
+    request_id = str(next(self._ids)) if request_id is None else str(request_id)
+    if request_id in self.groups:
+      raise ValueError(f"request id {request_id!r} is already in use")
+    ids = self.tokenize(prompt)
+    self.validate(ids, params)
+    seed = params.seed if params.seed is not None else int(self._seed_rng.integers(1 << 31))
+    metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+    seqs: list[Sequence] = []
+    for i in range(params.n):
+      seq = Sequence(seq_id=request_id if params.n == 1 else f"{i}_{request_id}",
+                     group_id=request_id, index=i, prompt_token_ids=list(ids), params=params,
+                     seed=(seed + i * 0x9E3779B1) & 0xFFFFFFFF,
+                     metrics=metrics if i == 0 else dataclasses.replace(metrics, token_times=[]),
+                     cache_salt=cache_salt, wait_for=seqs[0] if seqs else None)
+      seq.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+      seqs.append(seq)
+    self.groups[request_id] = _Group(request_id, prompt if isinstance(prompt, str) else None, ids,
+                                     params, seqs)
+    for seq in seqs:
+      self.scheduler.add(seq)
+    return request_id
+
+  def abort(self, request_id: str) -> bool:
+    """Stop a request wherever it is and free everything it holds. False if unknown."""
+    group = self.groups.pop(str(request_id), None)
+    if group is None:
+      return False
+    for seq in group.seqs:
+      if not seq.finished:
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq)
+    return True
+
+  def has_unfinished_requests(self) -> bool:
+    return bool(self.groups)
+
+  # -- the loop -----------------------------------------------------------------------------
+  def step(self) -> list[RequestOutput]:
+    batch = self.scheduler.schedule()
+    if not batch.seqs:
+      return []
+    inp = build_step_input(batch, self.buckets, self.config.page_size, self.eos_ids)
+    out = self.runner.run(inp)
+    now = time.monotonic()
+    self.num_steps += 1
+    touched: dict[str, _Group] = {}
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+      group = self.groups.get(seq.group_id)
+      if group is None:
+        continue
+      if seq.num_computed_tokens < len(seq.prompt_token_ids):
+        self.prompt_tokens += min(n, len(seq.prompt_token_ids) - seq.num_computed_tokens)
+      seq.num_computed_tokens += n
+      self.blocks.cache_full_pages(seq.pages, seq.token_ids, seq.num_computed_tokens,
+                                   seq.cache_salt)
+      if seq.num_computed_tokens < seq.num_tokens:
+        continue  # a prefill chunk that is not the last: nothing sampled
+      try:
+        self._append_token(seq, out, i, now)
+      except Exception as e:  # one request's failure must not hurt the others
+        seq.finish_reason, seq.stop_reason = "error", repr(e)
+      if seq.finish_reason is not None:
+        self.scheduler.finish(seq)
+      touched[group.request_id] = group
+    outputs = [self._output(g) for g in touched.values()]
+    for o in outputs:
+      if o.finished:
+        self.groups.pop(o.request_id, None)
+    return outputs
+
+  def _append_token(self, seq: Sequence, out: SampleOutput, row: int, now: float):
+    p = seq.params
+    token = int(out.tokens[row])
+    seq.output_token_ids.append(token)
+    self.generation_tokens += 1
+    seq.mark_token_time(now)
+    if p.logprobs is not None:
+      entry = {token: float(out.logprobs[row])}
+      for tid, lp in zip(out.top_ids[row, :p.logprobs], out.top_logprobs[row, :p.logprobs]):
+        entry.setdefault(int(tid), float(lp))
+      seq.output_logprobs.append(entry)
+    n_out = len(seq.output_token_ids)
+    if token in p.stop_token_ids and n_out >= p.min_tokens:
+      seq.finish_reason, seq.stop_reason = "stop", token
+    elif not p.ignore_eos and token in self.eos_ids and n_out >= p.min_tokens:
+      seq.finish_reason = "stop"
+    else:
+      seq.text += seq.detok.add(token)
+      if p.stop and n_out >= p.min_tokens and self._check_stop_strings(seq):
+        return
+    if seq.finish_reason is None:
+      max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
+      if n_out >= max_tokens or seq.num_tokens >= self.max_model_len:
+        seq.finish_reason = "length"
+    if seq.finish_reason is not None:
+      seq.text += seq.detok.flush() if seq.finish_reason == "length" else ""
+
+  def _check_stop_strings(self, seq: Sequence) -> bool:
+    longest = max(map(len, seq.params.stop))
+    # Only the tail can hold a new match: earlier text was checked on earlier tokens.
+    start = max(0, seq.sent_text_len - longest)
+    hits = [(seq.text.find(s, start), s) for s in seq.params.stop]
+    hits = [(i, s) for i, s in hits if i >= 0]
+    if not hits:
+      return False
+    i, s = min(hits)
+    seq.text = seq.text[:i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
+    seq.finish_reason, seq.stop_reason = "stop", s
+    return True
+
+  def _output(self, group: _Group) -> RequestOutput:
+    comps = []
+    for seq in group.seqs:
+      text = seq.text
+      if not seq.finished and seq.params.stop:
+        # Hold back what could still become a stop string, so it is never streamed.
+        text = text[:max(seq.sent_text_len, len(text) - max(map(len, seq.params.stop)) + 1)]
+      logprobs = seq.output_logprobs if seq.params.logprobs is not None else None
+      comps.append(CompletionOutput(
+          index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+          finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=logprobs,
+          delta_text=text[seq.sent_text_len:],
+          delta_token_ids=seq.output_token_ids[seq.sent_tokens:],
+          delta_logprobs=logprobs[seq.sent_tokens:] if logprobs is not None else None))
+      seq.sent_text_len, seq.sent_tokens = len(text), len(seq.output_token_ids)
+    lead = group.seqs[0]
+    if group.finished and lead.metrics.finished_time is None:
+      lead.metrics.finished_time = time.monotonic()
+    return RequestOutput(request_id=group.request_id, prompt=group.prompt,
+                         prompt_token_ids=group.prompt_token_ids, outputs=comps,
+                         finished=group.finished, metrics=lead.metrics,
+                         num_cached_tokens=lead.num_cached_tokens,
+                         error=next((s.stop_reason for s in group.seqs
+                                     if s.finish_reason == "error"), None))
+
+  def run_to_completion(self, request_ids: Iterable[str] | None = None) -> dict[str, RequestOutput]:
+    """Step until every request (or the given ones) finished; their final outputs by id."""
+    wanted = set(request_ids) if request_ids is not None else None
+    final: dict[str, RequestOutput] = {}
+    while self.has_unfinished_requests():
+      for o in self.step():
+        if o.finished and (wanted is None or o.request_id in wanted):
+          final[o.request_id] = o
+      if wanted is not None and wanted <= set(final):
+        break
+    return final
+
+  # -- numbers ------------------------------------------------------------------------------
+  def stats(self) -> EngineStats:
+    running = self.scheduler.running
+    held = sum(len(s.pages) for s in running) * self.config.page_size
+    used = sum(s.num_computed_tokens for s in running)
+    b = self.blocks
+    return EngineStats(
+        num_running=len(running), num_waiting=len(self.scheduler.waiting),
+        kv_utilization=used / held if held else 0.0,
+        kv_pages_used=1.0 - b.num_free_pages / b.num_usable_pages,
+        prefix_hit_rate=b.prefix_hits / b.prefix_queries if b.prefix_queries else 0.0,
+        num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self.prompt_tokens,
+        generation_tokens=self.generation_tokens, num_steps=self.num_steps)

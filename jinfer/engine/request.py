@@ -1,0 +1,121 @@
+"""One sequence being generated, and what the engine reports about it."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jinfer.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+  WAITING = "waiting"
+  RUNNING = "running"
+  FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+  arrival_time: float
+  first_scheduled_time: float | None = None
+  first_token_time: float | None = None
+  last_token_time: float | None = None
+  finished_time: float | None = None
+  token_times: list[float] = dataclasses.field(default_factory=list)
+
+  @property
+  def queue_time(self) -> float | None:
+    return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+  @property
+  def ttft(self) -> float | None:
+    return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+  @property
+  def e2e(self) -> float | None:
+    return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+  @property
+  def tpot(self) -> float | None:
+    """Mean time per output token after the first (vLLM's definition)."""
+    n = len(self.token_times)
+    if n < 2:
+      return None
+    return (self.token_times[-1] - self.token_times[0]) / (n - 1)
+
+  @property
+  def itl(self) -> list[float]:
+    return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+  """One sample of a request (a request with n > 1 has n of them, sharing prompt pages)."""
+  seq_id: str
+  group_id: str
+  index: int  # which of the request's n samples
+  prompt_token_ids: list[int]
+  params: SamplingParams
+  seed: int
+  metrics: RequestMetrics
+  output_token_ids: list[int] = dataclasses.field(default_factory=list)
+  output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+  pages: list[int] = dataclasses.field(default_factory=list)
+  num_computed_tokens: int = 0
+  num_cached_tokens: int = 0  # prompt tokens served by the prefix cache, first admission
+  status: Status = Status.WAITING
+  finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+  stop_reason: int | str | None = None
+  text: str = ""  # detokenized output, stop strings handled
+  sent_text_len: int = 0  # how much of `text` has been reported
+  sent_tokens: int = 0  # how many tokens have been reported
+  detok: object = None  # IncrementalDetokenizer, made by the engine
+  cache_salt: object = None
+  # Siblings wait for the first sample's prompt so they hit its cached pages.
+  wait_for: "Sequence | None" = None
+
+  @property
+  def token_ids(self) -> list[int]:
+    return self.prompt_token_ids + self.output_token_ids
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+  @property
+  def finished(self) -> bool:
+    return self.status is Status.FINISHED
+
+  def mark_token_time(self, now: float | None = None):
+    now = time.monotonic() if now is None else now
+    if self.metrics.first_token_time is None:
+      self.metrics.first_token_time = now
+    self.metrics.token_times.append(now)
+    self.metrics.last_token_time = now
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+  index: int
+  text: str
+  token_ids: list[int]
+  finish_reason: str | None
+  stop_reason: int | str | None = None
+  logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}
+  # What is new since the last report (streaming).
+  delta_text: str = ""
+  delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+  delta_logprobs: list[dict[int, float]] | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+  request_id: str
+  prompt: str | None
+  prompt_token_ids: list[int]
+  outputs: list[CompletionOutput]
+  finished: bool
+  metrics: RequestMetrics | None = None
+  num_cached_tokens: int = 0
+  prompt_logprobs: list[dict[int, float] | None] | None = None
+  error: str | None = None

@@ -1,0 +1,141 @@
+"""Iteration-level scheduling: every step, finished sequences leave and waiting ones join.
+
+Running sequences go first (decodes and unfinished prefill chunks, oldest first), then waiting
+ones in arrival order while the token budget, `max_num_seqs` and the page pool allow. A prefill
+longer than the remaining budget is chunked. When pages run out the newest running sequence is
+preempted (its pages freed, recomputed later from its tokens so far); the oldest always fits,
+because one sequence of `max_model_len` tokens fits in the pool, so progress is guaranteed.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from jinfer.engine.block_manager import BlockManager
+from jinfer.engine.request import Sequence, Status
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+  max_num_seqs: int
+  max_num_batched_tokens: int
+  max_prefill_seqs: int  # sequences with a multi-token chunk in one step
+  continuous_batching: bool = True  # False: static batches that wait for their longest member
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+  seqs: list[Sequence]
+  num_new_tokens: list[int]  # per sequence, this step
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(self.num_new_tokens)
+
+
+class Scheduler:
+
+  def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+    self.config, self.blocks = config, blocks
+    self.waiting: collections.deque[Sequence] = collections.deque()
+    self.running: list[Sequence] = []
+    self.num_preemptions = 0
+
+  def add(self, seq: Sequence):
+    self.waiting.append(seq)
+
+  def has_unfinished(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  def finish(self, seq: Sequence):
+    """Drop a sequence wherever it is and give back its pages."""
+    if seq in self.running:
+      self.running.remove(seq)
+    elif seq in self.waiting:
+      self.waiting.remove(seq)
+    self.blocks.release(seq.pages)
+    seq.pages = []
+    seq.status = Status.FINISHED
+
+  def _grow(self, seq: Sequence, num_new: int) -> bool:
+    need = self.blocks.pages_needed(seq.num_computed_tokens + num_new) - len(seq.pages)
+    if need <= 0:
+      return True
+    pages = self.blocks.allocate(need)
+    if pages is None:
+      return False
+    seq.pages.extend(pages)
+    return True
+
+  def _preempt(self, seq: Sequence):
+    self.running.remove(seq)
+    self.blocks.release(seq.pages)
+    seq.pages, seq.num_computed_tokens, seq.status = [], 0, Status.WAITING
+    self.waiting.appendleft(seq)
+    self.num_preemptions += 1
+
+  def schedule(self) -> ScheduledBatch:
+    cfg = self.config
+    budget = cfg.max_num_batched_tokens
+    seqs: list[Sequence] = []
+    counts: list[int] = []
+    prefills = 0
+
+    # 1. Running sequences, oldest first.
+    i = 0
+    while i < len(self.running) and budget > 0:
+      seq = self.running[i]
+      remaining = seq.num_tokens - seq.num_computed_tokens
+      if remaining > 1 and prefills >= cfg.max_prefill_seqs:
+        i += 1
+        continue
+      n = min(remaining, budget)
+      while not self._grow(seq, n):
+        victim = self.running[-1]
+        self._preempt(victim)
+        if victim is seq:
+          break
+      if seq.status is not Status.RUNNING:  # preempted itself: nothing newer left to evict
+        break
+      seqs.append(seq)
+      counts.append(n)
+      budget -= n
+      prefills += n > 1
+      i += 1
+
+    # 2. Waiting sequences in arrival order. Static batching admits only into an empty batch.
+    admit = cfg.continuous_batching or not self.running
+    skipped: list[Sequence] = []
+    while admit and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+      seq = self.waiting[0]
+      lead = seq.wait_for
+      if lead is not None and not lead.finished and lead.num_computed_tokens < len(lead.prompt_token_ids):
+        skipped.append(self.waiting.popleft())  # a sibling: wait for the lead's prompt pages
+        continue
+      if not seq.pages:
+        seq.pages = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
+        seq.num_computed_tokens = len(seq.pages) * self.blocks.page_size
+        if seq.metrics.first_scheduled_time is None:
+          seq.num_cached_tokens = seq.num_computed_tokens
+      remaining = seq.num_tokens - seq.num_computed_tokens
+      if remaining > 1 and prefills >= cfg.max_prefill_seqs:
+        break
+      n = min(remaining, budget)
+      if not self._grow(seq, n):
+        # FCFS: nobody overtakes a request that does not fit yet. It holds no pages meanwhile,
+        # or a waiting request could pin what the running ones need.
+        self.blocks.release(seq.pages)
+        seq.pages, seq.num_computed_tokens = [], 0
+        break
+      self.waiting.popleft()
+      seq.status = Status.RUNNING
+      if seq.metrics.first_scheduled_time is None:
+        seq.metrics.first_scheduled_time = time.monotonic()
+      self.running.append(seq)
+      seqs.append(seq)
+      counts.append(n)
+      budget -= n
+      prefills += n > 1
+    self.waiting.extendleft(reversed(skipped))
+    return ScheduledBatch(seqs, counts)

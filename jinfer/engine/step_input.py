@@ -1,0 +1,131 @@
+"""The fixed-shape pytree one jitted step consumes, and how the host builds it.
+
+Shapes come from a finite bucket set: `T` a power of two up to `max_num_batched_tokens`,
+`S = min(T, max_num_seqs)`, `P = max_pages_per_seq`. Attention pads prefill chunks to `T` rows
+for at most `max_prefill_seqs` sequences; a decode-only step has none, and the attention's loop
+over those costs nothing then, so one compiled shape per `T` serves decode and mixed steps alike.
+Padding rows write to the sink page and are never read.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import struct
+
+from jinfer.engine.request import Sequence
+from jinfer.engine.scheduler import ScheduledBatch
+from jinfer.models import AttentionMetadata
+from jinfer.sample import SamplingTensors
+
+MAX_BANNED = 16  # EOS and stop token ids suppressed while min_tokens is not reached
+
+
+@struct.dataclass
+class StepInput:
+  token_ids: jax.Array  # [T] int32
+  positions: jax.Array  # [T] int32
+  md: AttentionMetadata
+  logits_indices: jax.Array  # [S] int32
+  sampling: SamplingTensors
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+  max_num_seqs: int
+  max_num_batched_tokens: int
+  max_prefill_seqs: int
+  max_pages_per_seq: int
+  max_model_len: int
+  min_tokens: int = 8
+
+  @property
+  def token_buckets(self) -> list[int]:
+    out, t = [], self.min_tokens
+    while t < self.max_num_batched_tokens:
+      out.append(t)
+      t *= 2
+    return out + [self.max_num_batched_tokens]
+
+  def num_seqs(self, t: int) -> int:
+    return min(t, self.max_num_seqs)
+
+  def shapes(self) -> list[int]:
+    """Every T the engine can run: what warmup compiles."""
+    return self.token_buckets
+
+  def pick(self, num_tokens: int) -> int:
+    return next(t for t in self.token_buckets if t >= num_tokens)
+
+
+def empty_step_input(b: Buckets, t: int) -> dict[str, np.ndarray]:
+  s = b.num_seqs(t)
+  z = lambda *shape: np.zeros(shape, np.int32)
+  return dict(
+      token_ids=z(t), positions=z(t), slot_mapping=z(t), block_table=z(s, b.max_pages_per_seq),
+      kv_lens=z(s), cu_q_lens=z(s + 1), num_seqs=z(1), logits_indices=z(s),
+      temperature=np.zeros(s, np.float32), top_k=np.full(s, 1 << 30, np.int32),
+      top_p=np.ones(s, np.float32), min_p=np.zeros(s, np.float32),
+      repetition_penalty=np.ones(s, np.float32), presence_penalty=np.zeros(s, np.float32),
+      frequency_penalty=np.zeros(s, np.float32), seeds=np.zeros(s, np.uint32), gen_idx=z(s),
+      history=np.full((s, b.max_model_len), -1, np.int32), prompt_lens=z(s),
+      banned=np.full((s, MAX_BANNED), -1, np.int32), num_logprobs=z(s))
+
+
+def to_step_input(a: dict, b: Buckets) -> StepInput:
+  t = a["token_ids"].shape[0]
+  md = AttentionMetadata(
+      slot_mapping=a["slot_mapping"], block_table=a["block_table"], kv_lens=a["kv_lens"],
+      cu_q_lens=a["cu_q_lens"], num_seqs=a["num_seqs"], max_q_len=t,
+      max_prefill_seqs=b.max_prefill_seqs)
+  fields = {f.name for f in dataclasses.fields(SamplingTensors)}
+  return StepInput(token_ids=a["token_ids"], positions=a["positions"], md=md,
+                   logits_indices=a["logits_indices"],
+                   sampling=SamplingTensors(**{k: a[k] for k in fields}))
+
+
+def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
+                     eos_ids: tuple[int, ...]) -> StepInput:
+  n_tok = batch.num_tokens
+  t = b.pick(max(n_tok, len(batch.seqs)))
+  a = empty_step_input(b, t)
+  a["num_seqs"][0] = len(batch.seqs)
+  any_penalty = any(_has_penalty(s) for s in batch.seqs)
+  off = 0
+  for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+    start = seq.num_computed_tokens
+    pos = np.arange(start, start + n)
+    a["token_ids"][off:off + n] = seq.token_ids[start:start + n]
+    a["positions"][off:off + n] = pos
+    pages = np.asarray(seq.pages, np.int32)
+    a["slot_mapping"][off:off + n] = pages[pos // page_size] * page_size + pos % page_size
+    a["block_table"][i, :len(pages)] = pages
+    a["kv_lens"][i] = start + n
+    off += n
+    a["cu_q_lens"][i + 1] = off
+    a["logits_indices"][i] = off - 1
+    p = seq.params
+    a["temperature"][i] = p.temperature
+    if p.top_k > 0:
+      a["top_k"][i] = p.top_k
+    a["top_p"][i], a["min_p"][i] = p.top_p, p.min_p
+    a["repetition_penalty"][i] = p.repetition_penalty
+    a["presence_penalty"][i] = p.presence_penalty
+    a["frequency_penalty"][i] = p.frequency_penalty
+    a["seeds"][i] = seq.seed
+    a["gen_idx"][i] = len(seq.output_token_ids)
+    a["prompt_lens"][i] = len(seq.prompt_token_ids)
+    a["num_logprobs"][i] = p.logprobs or 0
+    if any_penalty and _has_penalty(seq):
+      a["history"][i, :seq.num_tokens] = seq.token_ids
+    if len(seq.output_token_ids) < p.min_tokens:
+      banned = (() if p.ignore_eos else eos_ids) + p.stop_token_ids
+      a["banned"][i, :len(banned)] = banned
+  a["cu_q_lens"][len(batch.seqs) + 1:] = off
+  return to_step_input(a, b)
+
+
+def _has_penalty(seq: Sequence) -> bool:
+  p = seq.params
+  return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0

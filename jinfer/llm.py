@@ -1,0 +1,67 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, as vLLM users know it."""
+from __future__ import annotations
+
+from typing import Any, Sequence as Seq
+
+from tqdm import tqdm
+
+from jinfer.engine.engine import LLMEngine
+from jinfer.engine.engine_config import EngineConfig
+from jinfer.engine.request import RequestOutput
+from jinfer.sampling_params import SamplingParams
+from jinfer.weights.loader import DEFAULT_MODEL
+
+
+class LLM:
+  """`model`: a built-in name (default `smollm2-135m-instruct`), an HF directory or a .gguf file.
+
+  Engine options (`max_model_len`, `max_num_seqs`, `page_size`, ...) go by keyword; see
+  `EngineConfig`.
+  """
+
+  def __init__(self, model: str = DEFAULT_MODEL, *, dtype=None, warmup: bool = True,
+               **engine_options: Any):
+    self.engine = LLMEngine(model, dtype=dtype, config=EngineConfig(**engine_options),
+                            warmup=warmup)
+    self.tokenizer = self.engine.tokenizer
+
+  def generate(self, prompts: str | Seq[str] | Seq[list[int]],
+               sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+               use_tqdm: bool = False) -> list[RequestOutput]:
+    """Outputs in prompt order. Every prompt is validated before any is queued."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+      prompts = [prompts]
+    prompts = list(prompts)
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+      params = [sampling_params or SamplingParams()] * len(prompts)
+    else:
+      params = list(sampling_params)
+      if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+    eng = self.engine
+    ids = [eng.tokenize(p) for p in prompts]
+    for i, (tok, sp) in enumerate(zip(ids, params)):
+      try:
+        eng.validate(tok, sp)
+      except ValueError as e:
+        raise ValueError(f"prompt {i}: {e}") from None
+    rids = [eng.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+    final: dict[str, RequestOutput] = {}
+    with tqdm(total=len(rids), disable=not use_tqdm, desc="generate") as bar:
+      while len(final) < len(rids):
+        for o in eng.step():
+          if o.finished:
+            final[o.request_id] = o
+            bar.update(1)
+    return [final[r] for r in rids]
+
+  def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+           sampling_params: SamplingParams | None = None, *, use_tqdm: bool = False,
+           **template_kwargs: Any) -> list[RequestOutput]:
+    """One conversation (a list of messages) or several; the chat template ends each with the
+    assistant's turn."""
+    convs = [messages] if messages and isinstance(messages[0], dict) else messages
+    prompts = [self.tokenizer.encode(
+        self.tokenizer.apply_chat_template(c, add_generation_prompt=True, **template_kwargs),
+        add_special_tokens=False) for c in convs]
+    return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

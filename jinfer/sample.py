@@ -1,0 +1,94 @@
+"""Device-side sampling for a batch of rows, each with its own parameters and seed.
+
+All per-row options are arrays, so one compiled function serves any mix of greedy and sampled
+requests. A row's random key is `fold_in(key(seed), number of tokens it has generated)`, so its
+tokens do not depend on which other requests share the batch. The expensive parts (penalties,
+the sort for top-k/top-p/min-p, top-N logprobs) sit behind `lax.cond` and cost nothing when no
+row asks for them.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jinfer.sampling_params import MAX_LOGPROBS
+
+
+@struct.dataclass
+class SamplingTensors:
+  temperature: jax.Array  # [S] float32, 0 = greedy
+  top_k: jax.Array  # [S] int32, >= vocab when disabled
+  top_p: jax.Array  # [S] float32
+  min_p: jax.Array  # [S] float32
+  repetition_penalty: jax.Array  # [S] float32
+  presence_penalty: jax.Array  # [S] float32
+  frequency_penalty: jax.Array  # [S] float32
+  seeds: jax.Array  # [S] uint32
+  gen_idx: jax.Array  # [S] int32: tokens generated so far (the key's counter)
+  history: jax.Array  # [S, H] int32: prompt then output tokens, -1 padded (penalties only)
+  prompt_lens: jax.Array  # [S] int32
+  banned: jax.Array  # [S, B] int32: tokens forbidden this step (EOS under min_tokens), -1 padded
+  num_logprobs: jax.Array  # [S] int32
+
+
+@struct.dataclass
+class SampleOutput:
+  tokens: jax.Array  # [S] int32
+  logprobs: jax.Array  # [S] float32, of the sampled token
+  top_ids: jax.Array  # [S, MAX_LOGPROBS] int32
+  top_logprobs: jax.Array  # [S, MAX_LOGPROBS] float32
+
+
+def _penalize(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+  s, v = logits.shape
+  h = st.history.shape[1]
+  rows = jnp.broadcast_to(jnp.arange(s)[:, None], (s, h))
+  valid = st.history >= 0
+  ids = jnp.where(valid, st.history, v)  # out of range -> dropped
+  is_out = (jnp.arange(h)[None, :] >= st.prompt_lens[:, None]) & valid
+  out_counts = jnp.zeros((s, v), jnp.float32).at[rows, ids].add(is_out, mode="drop")
+  seen = jnp.zeros((s, v), jnp.bool_).at[rows, ids].max(valid, mode="drop")
+  rp = st.repetition_penalty[:, None]
+  logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+  logits = logits - st.frequency_penalty[:, None] * out_counts
+  return logits - st.presence_penalty[:, None] * (out_counts > 0)
+
+
+def _sample_filtered(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [S] int32
+  s, v = logits.shape
+  scaled = logits / jnp.maximum(st.temperature, 1e-6)[:, None]
+  order = jnp.argsort(-scaled, axis=-1)  # [S, V] descending
+  srt = jnp.take_along_axis(scaled, order, axis=-1)
+  rank = jnp.arange(v)[None, :]
+  keep = rank < st.top_k[:, None]
+  probs = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+  keep &= before < st.top_p[:, None]
+  keep &= probs >= st.min_p[:, None] * probs[:, :1]
+  keep = keep.at[:, 0].set(True)  # the most likely token always survives
+  masked = jnp.where(keep, srt, -jnp.inf)
+  keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(st.seeds, st.gen_idx)
+  pick = jax.vmap(jax.random.categorical)(keys, masked)  # [S]
+  return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def sample(logits: jax.Array, st: SamplingTensors) -> SampleOutput:
+  """logits: [S, V] float32 straight from the model."""
+  s, v = logits.shape
+  logprobs_all = jax.nn.log_softmax(logits, axis=-1)  # reported logprobs: the model's own
+  any_penalty = jnp.any((st.repetition_penalty != 1.0) | (st.presence_penalty != 0.0)
+                        | (st.frequency_penalty != 0.0))
+  x = jax.lax.cond(any_penalty, _penalize, lambda l, _: l, logits, st)
+  rows = jnp.broadcast_to(jnp.arange(s)[:, None], st.banned.shape)
+  x = x.at[rows, jnp.where(st.banned >= 0, st.banned, v)].set(-jnp.inf, mode="drop")
+  greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
+  sampled = jax.lax.cond(jnp.any(st.temperature > 0), _sample_filtered, lambda l, _: greedy, x, st)
+  tokens = jnp.where(st.temperature > 0, sampled, greedy)
+  top_lp, top_ids = jax.lax.cond(
+      jnp.any(st.num_logprobs > 0), lambda lp: tuple(jax.lax.top_k(lp, MAX_LOGPROBS)),
+      lambda lp: (jnp.zeros((s, MAX_LOGPROBS), lp.dtype), jnp.zeros((s, MAX_LOGPROBS), jnp.int32)),
+      logprobs_all)
+  return SampleOutput(tokens=tokens,
+                      logprobs=jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0],
+                      top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)

@@ -1,0 +1,235 @@
+"""GGUF files (llama.cpp's format) -> ModelConfig and the jinfer params tree.
+
+The config comes from the `<arch>.*` and `tokenizer.ggml.*` metadata. Tensors are renamed to HF
+names, dequantized one at a time with `gguf.quants` (the file itself is memory-mapped), and
+llama.cpp's rotary permutation of Q/K is undone exactly as transformers undoes it, so
+`hf_to_params` sees the same tensors `AutoModelForCausalLM.from_pretrained(gguf_file=...)` would.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from jinfer.config import ModelConfig
+from jinfer.weights.hf_layout import WeightError, hf_to_params
+
+_Q = GGMLQuantizationType
+SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1,
+                   _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)
+
+# GGUF `general.architecture` -> jinfer architecture. llama.cpp also writes Mistral as "llama".
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_GLOBAL_NAMES = {  # GGUF tensor -> HF tensor
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {  # blk.N.<GGUF> -> model.layers.N.<HF>, without the .weight/.bias suffix
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
+_GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)")
+
+
+class _Reader(GGUFReader):
+  """GGUFReader that names the tensor a truncated or corrupt file breaks on."""
+
+  def _build_tensors(self, start_offs: int, fields: list) -> None:
+    tensors, seen = [], set()
+    for field in fields:  # one tensor-info field per tensor; `field.name` is the tensor's name
+      if field.name in seen:
+        raise ValueError(f"tensor {field.name!r} appears twice")
+      seen.add(field.name)
+      try:
+        super()._build_tensors(start_offs, [field])
+      except ValueError as e:
+        raise ValueError(f"cannot read tensor {field.name!r} from the file's {self.data.size} "
+                         f"bytes ({e})") from None
+      tensors += self.tensors
+    self.tensors = tensors
+
+
+def open_gguf(path: str) -> GGUFReader:
+  """Memory-map a GGUF file, turning every parse failure into a WeightError naming the file."""
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path}: no such GGUF file")
+  try:
+    return _Reader(path)
+  except (ValueError, KeyError, IndexError, OverflowError, TypeError) as e:
+    # The reader parses with numpy views, so a file cut short fails with reshape/view errors.
+    raise WeightError(f"{path}: truncated or corrupt GGUF file: {e}") from None
+
+
+def gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+  """A metadata value as Python (str, int, float, bool, or a list of them), or `default`."""
+  field = reader.fields.get(key)
+  return default if field is None else field.contents()
+
+
+def gguf_array_len(reader: GGUFReader, key: str) -> int | None:
+  """Length of an array metadata value without decoding it (the vocabulary is ~50k strings)."""
+  field = reader.fields.get(key)
+  return None if field is None else len(field.data)
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+  """HF name of a GGUF tensor; None for tensors jinfer does not load (e.g. rope_freqs)."""
+  if name in _GLOBAL_NAMES:
+    return _GLOBAL_NAMES[name]
+  m = _GGUF_LAYER_RE.fullmatch(name)
+  if m and m[2] in _LAYER_NAMES:
+    return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"
+  return None
+
+
+def hf_to_gguf_name(name: str) -> str:
+  for g, h in _GLOBAL_NAMES.items():
+    if h == name:
+      return g
+  m = _HF_LAYER_RE.fullmatch(name)
+  assert m and m[2] in _HF_LAYER_NAMES, name  # hf_layout only asks for names in the tables
+  return f"blk.{m[1]}.{_HF_LAYER_NAMES[m[2]]}.{m[3]}"
+
+
+def _llama3_rope_scaling(freq_factors: np.ndarray, theta: float, head_dim: int, *,
+                         source: str) -> tuple[tuple[str, Any], ...]:
+  """Recover Llama 3.1-style rope scaling from llama.cpp's `rope_freqs` tensor.
+
+  llama.cpp stores the per-frequency divisors instead of the parameters. Every Llama 3.x release
+  uses low/high frequency factors 1 and 4 around an 8192-token original context, so the scaling
+  factor is the largest divisor; the fit is then checked divisor by divisor.
+  """
+  scaling = (("factor", float(freq_factors.max())), ("high_freq_factor", 4.0),
+             ("low_freq_factor", 1.0), ("original_max_position_embeddings", 8192),
+             ("rope_type", "llama3"))
+  probe = ModelConfig(architecture="llama", vocab_size=1, hidden_size=head_dim,
+                      intermediate_size=1, num_layers=1, num_heads=1, num_kv_heads=1,
+                      head_dim=head_dim, rope_theta=theta, rope_scaling=scaling)
+  plain = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [D/2]
+  if freq_factors.shape != plain.shape or not np.allclose(plain / probe.inv_freq(), freq_factors,
+                                                          rtol=1e-4):
+    raise WeightError(f"{source}: tensor 'rope_freqs.weight' holds rope frequency factors that "
+                      f"match no Llama 3 rope scaling; jinfer cannot reproduce them")
+  return scaling
+
+
+def _dequantized(t, source: str) -> np.ndarray:  # [rows..., cols] float32, in GGUF's row order
+  if t.tensor_type not in SUPPORTED_TYPES:
+    raise WeightError(f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which jinfer "
+                      f"cannot dequantize (supported: {', '.join(q.name for q in SUPPORTED_TYPES)})")
+  return dequantize(t.data, t.tensor_type)
+
+
+def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
+  """Undo llama.cpp's Q/K row permutation (transformers' `_reverse_permute_weights`).
+
+  llama.cpp interleaves each head's two rotary halves so its rope rotates adjacent pairs; HF's
+  rotate-half rope wants the halves contiguous again.
+  """
+  half = w.shape[0] // heads // 2
+  return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_config(reader: GGUFReader, source: str) -> ModelConfig:
+  """ModelConfig from a GGUF file's metadata (and, for tied embeddings, its tensor list)."""
+  arch = gguf_value(reader, "general.architecture")
+  if arch not in _ARCHITECTURES:
+    raise WeightError(f"{source}: unsupported GGUF architecture {arch!r}; jinfer loads "
+                      f"{', '.join(_ARCHITECTURES)}")
+
+  def need(key: str) -> Any:
+    value = gguf_value(reader, f"{arch}.{key}")
+    if value is None:
+      raise WeightError(f"{source}: missing metadata {arch}.{key}")
+    return value
+
+  if gguf_value(reader, f"{arch}.expert_count"):
+    raise WeightError(f"{source}: mixture-of-experts GGUF files ({arch}.expert_count="
+                      f"{gguf_value(reader, f'{arch}.expert_count')}) are not supported")
+  hidden, heads = need("embedding_length"), need("attention.head_count")
+  head_dim = gguf_value(reader, f"{arch}.attention.key_length") or hidden // heads
+  rope_dim = gguf_value(reader, f"{arch}.rope.dimension_count", head_dim)
+  if rope_dim != head_dim:
+    raise WeightError(f"{source}: partial rotary embeddings ({arch}.rope.dimension_count="
+                      f"{rope_dim}, head dim {head_dim}) are not supported")
+  theta = float(gguf_value(reader, f"{arch}.rope.freq_base", 10000.0))
+
+  scaling = None
+  kind = gguf_value(reader, f"{arch}.rope.scaling.type", "none")
+  if kind == "linear":
+    scaling = (("factor", float(need("rope.scaling.factor"))), ("rope_type", "linear"))
+  elif kind != "none":
+    raise WeightError(f"{source}: unsupported rope scaling {arch}.rope.scaling.type={kind!r} "
+                      f"(supported: none, linear, and Llama 3's rope_freqs)")
+  tensors = {t.name: t for t in reader.tensors}
+  if "rope_freqs.weight" in tensors:
+    scaling = _llama3_rope_scaling(_dequantized(tensors["rope_freqs.weight"], source), theta,
+                                   head_dim, source=source)
+
+  vocab = gguf_array_len(reader, "tokenizer.ggml.tokens") or gguf_value(reader, f"{arch}.vocab_size")
+  if vocab is None:
+    raise WeightError(f"{source}: no tokenizer.ggml.tokens or {arch}.vocab_size to size the vocab")
+  eos = [gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+  return ModelConfig(
+      architecture=_ARCHITECTURES[arch],
+      vocab_size=vocab,
+      hidden_size=hidden,
+      intermediate_size=need("feed_forward_length"),
+      num_layers=need("block_count"),
+      num_heads=heads,
+      num_kv_heads=gguf_value(reader, f"{arch}.attention.head_count_kv") or heads,
+      head_dim=head_dim,
+      rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      max_position_embeddings=gguf_value(reader, f"{arch}.context_length", 2048),
+      # llama.cpp writes no output projection when it is the embedding matrix.
+      tie_word_embeddings="output.weight" not in tensors,
+      attention_bias=arch == "qwen2",
+      qk_norm=arch == "qwen3",
+      bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+      eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
+  )
+
+
+def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
+  """Read a GGUF file into (config, params), dequantizing one tensor at a time."""
+  reader = open_gguf(path)
+  config = gguf_config(reader, path)
+  by_hf_name = {hf: t for t in reader.tensors if (hf := gguf_to_hf_name(t.name))}
+  # llama.cpp permutes Q/K rows only for its llama architecture; Qwen already uses HF's rope.
+  permute = config.architecture == "llama"
+
+  def get(name: str) -> np.ndarray:
+    t = by_hf_name.get(name)
+    if t is None:
+      raise WeightError(f"{path}: missing tensor {hf_to_gguf_name(name)!r} (HF {name!r})")
+    w = _dequantized(t, path)
+    is_q, is_k = ".q_proj." in name, ".k_proj." in name
+    if permute and (is_q or is_k):
+      heads = config.num_heads if is_q else config.num_kv_heads
+      if w.shape[0] != heads * config.head_dim:
+        raise WeightError(f"{path}: tensor {t.name!r} has {w.shape[0]} rows, expected "
+                          f"{heads} heads x {config.head_dim}")
+      w = _unpermute_rope(w, heads)
+    return w
+
+  return config, hf_to_params(config, get, dtype=dtype, source=path)

@@ -1,0 +1,28 @@
+"""Resolve a model name or path to (config, params, tokenizer)."""
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+
+from jinfer.config import ModelConfig
+from jinfer.tokenizer import Tokenizer
+from jinfer.weights.builtin import BUILTIN_MODELS, builtin_gguf_path, is_builtin
+from jinfer.weights.gguf_file import load_gguf
+from jinfer.weights.safetensors_dir import load_safetensors_dir
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def load_model(model: str, dtype=jnp.float32) -> tuple[ModelConfig, dict, Tokenizer]:
+  """`model`: a built-in name, an HF directory (config.json + safetensors), or a .gguf file."""
+  if is_builtin(model):
+    model = builtin_gguf_path(model)
+  if os.path.isfile(model) and model.endswith(".gguf"):
+    config, params = load_gguf(model, dtype)
+    return config, params, Tokenizer.from_gguf(model)
+  if os.path.isdir(model):
+    config = ModelConfig.from_hf_dir(model)
+    return config, load_safetensors_dir(model, config, dtype), Tokenizer.from_dir(model)
+  raise ValueError(f"model {model!r} is not a built-in name ({', '.join(BUILTIN_MODELS)}), "
+                   f"an HF model directory, or a .gguf file")
