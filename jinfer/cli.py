@@ -1,0 +1,100 @@
+"""The `jinfer` command: generate, chat, bench, serve."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jinfer.weights.loader import DEFAULT_MODEL
+
+
+def _engine(args, warmup: bool = False):
+  from jinfer.engine.engine import LLMEngine
+  from jinfer.engine.engine_config import EngineConfig
+  # One-shot commands compile lazily: warming every bucket costs more than it saves here.
+  return LLMEngine(args.model, config=EngineConfig(max_model_len=args.max_model_len),
+                   warmup=warmup)
+
+
+def _params(args):
+  from jinfer.sampling_params import SamplingParams
+  return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        max_tokens=args.max_tokens, seed=args.seed)
+
+
+def _stream(engine, prompt, params) -> str:
+  """Run one request, printing text as it comes; returns the whole text."""
+  rid = engine.add_request(None, prompt, params)
+  text = ""
+  while engine.has_unfinished_requests():
+    for out in engine.step():
+      if out.request_id == rid:
+        delta = out.outputs[0].delta_text
+        text += delta
+        print(delta, end="", flush=True)
+  print()
+  return text
+
+
+def cmd_generate(args):
+  engine = _engine(args)
+  _stream(engine, args.prompt, _params(args))
+
+
+def cmd_chat(args):
+  engine = _engine(args)
+  messages = [{"role": "system", "content": args.system}] if args.system else []
+  print("jinfer chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+  while True:
+    try:
+      line = input("> ")
+    except EOFError:
+      break
+    if not line.strip():
+      break
+    messages.append({"role": "user", "content": line})
+    prompt = engine.tokenizer.encode(
+        engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+        add_special_tokens=False)
+    try:
+      reply = _stream(engine, prompt, _params(args))
+    except ValueError as e:  # e.g. the conversation outgrew max_model_len
+      print(f"error: {e}", file=sys.stderr)
+      messages.pop()
+      continue
+    messages.append({"role": "assistant", "content": reply})
+
+
+def main(argv: list[str] | None = None):
+  ap = argparse.ArgumentParser(prog="jinfer", description="JAX/Pallas LLM inference")
+  sub = ap.add_subparsers(dest="command", required=True)
+
+  def common(p, max_tokens=256, temperature=0.7):
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="built-in name, HF model directory or .gguf file")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+
+  p = sub.add_parser("generate", help="complete one prompt, streaming the text")
+  common(p, temperature=0.0)
+  p.add_argument("prompt")
+  p.set_defaults(fn=cmd_generate)
+
+  p = sub.add_parser("chat", help="interactive chat with the model's chat template")
+  common(p)
+  p.add_argument("--system", default=None, help="system message")
+  p.set_defaults(fn=cmd_chat)
+
+  args = ap.parse_args(argv)
+  try:
+    args.fn(args)
+  except (ValueError, FileNotFoundError, RuntimeError) as e:
+    print(f"jinfer: error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  main()
