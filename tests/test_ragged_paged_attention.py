@@ -228,3 +228,18 @@ def test_unknown_backend_raises():
   case = CASES[0]
   with pytest.raises(ValueError, match="unknown attention backend"):
     run(case, make_batch(case), "cuda")
+
+
+def test_bench_script_smoke(tmp_path):
+  """The device benchmark script runs end to end (tiny shapes, kernels interpreted)."""
+  import json
+  import pathlib
+  import runpy
+
+  script = pathlib.Path(__file__).parents[1] / "examples" / "bench_kernels_device.py"
+  main = runpy.run_path(str(script))["main"]
+  out = tmp_path / "bench.json"
+  report = main(["--smoke", "--out", str(out)])
+  assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+  for r in report["results"]:
+    assert r["ms"] > 0 and r.get("max_abs_err_vs_reference", 0.0) < 1e-3
