@@ -64,6 +64,29 @@ def cmd_chat(args):
     messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_bench(args):
+  import json
+
+  from jinfer.bench.offline import RandomWorkload, run_offline
+  from jinfer.engine.engine import LLMEngine
+  from jinfer.engine.engine_config import EngineConfig
+  workload = RandomWorkload(num_prompts=args.num_prompts, input_len_min=args.input_len_min,
+                            input_len_max=args.input_len_max, output_len=args.output_len,
+                            seed=args.seed)
+  config = EngineConfig(max_model_len=args.max_model_len or workload.max_len,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        continuous_batching=not args.no_continuous_batching)
+  # Warm up every bucket first, so no compile lands inside the timed run.
+  engine = LLMEngine(args.model, config=config, warmup=True)
+  summary = {"model": args.model, **run_offline(engine, workload)}
+  text = json.dumps(summary, indent=2)
+  print(text)
+  if args.out:
+    with open(args.out, "w") as fh:
+      fh.write(text + "\n")
+
+
 def main(argv: list[str] | None = None):
   ap = argparse.ArgumentParser(prog="jinfer", description="JAX/Pallas LLM inference")
   sub = ap.add_subparsers(dest="command", required=True)
@@ -87,6 +110,23 @@ def main(argv: list[str] | None = None):
   common(p)
   p.add_argument("--system", default=None, help="system message")
   p.set_defaults(fn=cmd_chat)
+
+  p = sub.add_parser("bench", help="offline throughput on random prompts; prints JSON")
+  p.add_argument("--model", default=DEFAULT_MODEL,
+                 help="built-in name, HF model directory or .gguf file")
+  p.add_argument("--num-prompts", type=int, default=64)
+  p.add_argument("--input-len-min", type=int, default=32)
+  p.add_argument("--input-len-max", type=int, default=512)
+  p.add_argument("--output-len", type=int, default=128)
+  p.add_argument("--max-num-seqs", type=int, default=64)
+  p.add_argument("--max-num-batched-tokens", type=int, default=512)
+  p.add_argument("--max-model-len", type=int, default=None,
+                 help="default: the longest prompt + output the workload can make")
+  p.add_argument("--no-continuous-batching", action="store_true",
+                 help="static batches that wait for their longest member (a baseline)")
+  p.add_argument("--seed", type=int, default=0, help="numpy seed of the prompts")
+  p.add_argument("--out", default=None, help="also write the JSON to this file")
+  p.set_defaults(fn=cmd_bench)
 
   args = ap.parse_args(argv)
   try:

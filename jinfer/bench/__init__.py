@@ -1,0 +1,1 @@
+"""Benchmarks that print JSON and the machine they ran on."""

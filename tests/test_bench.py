@@ -1,0 +1,74 @@
+"""Smoke test of the offline benchmark: `jinfer bench` on a tiny random model, JSON checked."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from jinfer.bench.offline import RandomWorkload
+from jinfer.cli import main
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> str:
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(
+      vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+      bos_token_id=0, eos_token_id=1)
+  path = str(tmp_path_factory.mktemp("tiny_llama"))
+  transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+  # jinfer loads a tokenizer with every model; a word-level one over the ids is enough here.
+  tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t2"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.save(os.path.join(path, "tokenizer.json"))
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as fh:
+    json.dump({"bos_token": "t0", "eos_token": "t1"}, fh)
+  return path
+
+
+def test_random_workload_is_seeded_and_in_range():
+  w = RandomWorkload(num_prompts=20, input_len_min=3, input_len_max=9, seed=5)
+  a, b = w.prompts(VOCAB), w.prompts(VOCAB)
+  assert a == b
+  assert all(3 <= len(p) <= 9 and all(0 <= t < VOCAB for t in p) for p in a)
+  assert a != RandomWorkload(num_prompts=20, input_len_min=3, input_len_max=9, seed=6).prompts(VOCAB)
+
+
+def test_bench_cli_reports_a_complete_run(tiny_model_dir, tmp_path, capsys):
+  out = tmp_path / "bench.json"
+  n, out_len = 6, 5
+  # Few seqs and a small page budget: the run saturates, so the saturated-only fields are set.
+  main(["bench", "--model", tiny_model_dir, "--num-prompts", str(n), "--input-len-min", "4",
+        "--input-len-max", "24", "--output-len", str(out_len), "--max-num-seqs", "3",
+        "--max-num-batched-tokens", "32", "--seed", "1", "--out", str(out)])
+  r = json.loads(out.read_text())
+  assert r == json.loads(capsys.readouterr().out)
+
+  prompts = RandomWorkload(num_prompts=n, input_len_min=4, input_len_max=24, output_len=out_len,
+                           seed=1).prompts(VOCAB)
+  assert {"cpu_model", "cpu_count", "jax_version", "backend"} <= set(r["machine"])
+  assert r["config"]["engine"]["max_num_seqs"] == 3
+  assert r["config"]["engine"]["max_model_len"] == 24 + out_len
+  assert r["num_requests"] == r["completed"] == n
+  assert r["input_tokens"] == sum(map(len, prompts))
+  assert r["output_tokens"] == n * out_len  # ignore_eos: every request runs to its length
+  assert r["wall_s"] > 0 and r["warmup_s"] > 0
+  assert np.isclose(r["output_tokens_per_s"], r["output_tokens"] / r["wall_s"])
+  assert np.isclose(r["total_tokens_per_s"],
+                    (r["input_tokens"] + r["output_tokens"]) / r["wall_s"])
+  assert np.isclose(r["requests_per_s"], n / r["wall_s"])
+  for key in ("ttft_s", "tpot_s"):
+    assert 0 < r[key]["p50"] <= r[key]["p99"]
+  assert r["saturated_steps"] > 0
+  assert 0 < r["kv_utilization_mean"] <= 1 and 0 < r["kv_pages_used_mean"] <= 1
+  assert 0 < r["peak_pages_used"] <= r["usable_pages"]
+  assert r["num_preemptions"] >= 0 and 0 <= r["prefix_hit_rate"] <= 1
+  assert r["num_steps"] >= out_len
