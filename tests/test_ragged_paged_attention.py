@@ -56,7 +56,8 @@ CASES = [
          soft_cap=3.0, k_scale=0.5, v_scale=2.0),
     Case("decode_only_gqa4_d128_p16", 8, 2, 128, 16,
          ((1, 17), (1, 1), (1, 64), (1, 30), (1, 16)), num_slots=8, num_tokens=8, max_q_len=1,
-         tpu_kw=(("block_q", 8), ("pages_per_block", 4))),
+         tpu_kw=(("block_q", 8), ("pages_per_block", 4)),
+         gpu_kw=(("pages_per_block", 8),)),  # wider than the 5-entry table: clamped slots
     Case("prefill_only_mqa_d64_p16_default_blocks", 4, 1, 64, 16,
          ((37, 37), (5, 5)), num_slots=2, num_tokens=48, tpu_kw=(), gpu_kw=()),
 ]

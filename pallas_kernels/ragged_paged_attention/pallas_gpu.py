@@ -10,8 +10,8 @@ Why Triton and not Mosaic GPU (the default lowering since jax 0.9) on Hopper:
 - Testability: Mosaic GPU's async-copy primitives have no rule in the `interpret=True` interpreter
   of jax 0.10 ("No state discharge rule implemented for primitive: copy_gmem_to_smem"), so such a
   kernel could not run in CI on the CPU; this one does, like jax's own `ops.gpu.paged_attention`.
-Cost of the choice: Pallas Triton is deprecated as of jax 0.11 (still shipped; it warns). If it is
-removed, this kernel needs a Mosaic GPU rewrite.
+Cost of the choice: the Pallas Triton backend is deprecated as of jax 0.11 (still shipped there,
+due to be removed later); when it goes, this kernel needs a Mosaic GPU rewrite.
 
 Grid: (work item, KV head). A work item is up to `block_rows // G` query tokens of one sequence
 (`schedule.seq_q_blocks`), so decode steps get one program per (sequence, KV head) and prefill
@@ -72,7 +72,8 @@ def _kernel(
     qpos0 = kv_len - q_end + tok0  # position of the item's first token
     r = jnp.arange(rows, dtype=jnp.int32)
     row_live = r < n_tok * group  # [R]
-    qpos = qpos0 + r // group  # [R]
+    # Indices here are non-negative: truncating lax.div/rem skip jnp's floor-division fix-ups.
+    qpos = qpos0 + lax.div(r, group)  # [R]
     q = q_ref[h, pl.ds(tok0 * group, rows), :]  # [R, D]; padded input keeps the slice in bounds
 
     kb_end = (qpos0 + n_tok + bk - 1) // bk
@@ -83,10 +84,10 @@ def _kernel(
       acc, m_prev, l_prev = carry
       kpos = kb * bk + kcol  # [BK]
       k_live = kpos < kv_len
-      slot = jnp.minimum(kpos // page_size, pages_per_seq - 1)
+      slot = jnp.minimum(lax.div(kpos, page_size), pages_per_seq - 1)
       # Dead keys read the sink page: their page-table entries may be anything.
       page = jnp.where(k_live, page_indices_ref[seq * pages_per_seq + slot], 0)  # [BK]
-      krow = (page * 2 * num_kv_heads + h) * page_size + kpos % page_size
+      krow = (page * 2 * num_kv_heads + h) * page_size + lax.rem(kpos, page_size)
       k = kv_ref[krow].astype(q.dtype)  # [BK, D]
       v = kv_ref[krow + num_kv_heads * page_size].astype(q.dtype)  # [BK, D]
       sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
@@ -141,18 +142,22 @@ def ragged_paged_attention_gpu(
   """Same contract as the reference.
 
   block_rows: query rows (tokens x G) per program; tokens per program = max(1, block_rows // G),
-    capped by `max_q_len`. head_dim and pages_per_block * page_size must be powers of two >= 16
-    (Triton block shapes).
+    capped by `max_q_len`. head_dim, page_size and pages_per_block must be powers of two with
+    head_dim >= 16 and pages_per_block * page_size >= 16 (Triton block shapes, smallest MMA).
   """
   t, hq, d = q.shape
   num_pages, _, hkv, page_size, _ = kv_cache.shape
   s, p = page_indices.shape
   g = hq // hkv
+  if d < 16 or d & (d - 1):
+    # Checked in interpret mode too, so CPU tests catch a model the GPU could not run.
+    raise ValueError(f"the Triton kernel needs a power-of-two head_dim >= 16, got {d}")
   block_q = max(1, block_rows // g)
   if max_q_len is not None:
     block_q = min(block_q, max_q_len)
   rows = max(16, pl.next_power_of_2(block_q * g))
-  ppb = min(pages_per_block, p)
+  # A power of two even past the table's width: slots past it are clamped and masked as dead.
+  ppb = min(pages_per_block, pl.next_power_of_2(p))
   num_items = pl.cdiv(t, block_q) + s
   if max_q_len is not None:
     num_items = min(num_items, s * pl.cdiv(max_q_len, block_q))

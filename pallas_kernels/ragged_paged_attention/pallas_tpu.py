@@ -221,9 +221,11 @@ def ragged_paged_attention_tpu(
 ) -> jax.Array:  # [T, Hq, D]
   """Same contract as the reference. `max_q_len` is not needed: cost follows the real rows.
 
-  block_q: flat query tokens per program (block_q * Hq / Hkv should be a multiple of 8, or 16
-    for 16-bit queries, to tile VMEM cleanly).
-  pages_per_block: pages per KV block (one DMA each, double-buffered).
+  block_q: flat query tokens per program. block_q * Hq / Hkv should be a multiple of 8 (16 for
+    16-bit queries) to tile VMEM; decode-heavy steps waste fewer masked rows with a smaller one.
+  pages_per_block: pages per KV block (one DMA each, double-buffered). page_size should be a
+    multiple of the KV dtype's sublane tiling (8 for 32-bit, 16 for 16-bit) so each page lands
+    on a tile boundary of the VMEM buffer.
   """
   del max_q_len
   t, hq, d = q.shape
