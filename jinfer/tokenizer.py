@@ -29,19 +29,27 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _GPT4O_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# `tokenizer.ggml.pre` -> split regex, for the tokenizers of the architectures jinfer runs
-# (transformers' GGUF_PRE_TOKENIZER_SPLITS). Unlisted names keep GPT-2's byte-level regex.
+# `tokenizer.ggml.pre` -> split regex: transformers' GGUF_PRE_TOKENIZER_SPLITS (5.x). Names not
+# listed (SmolLM2's "smollm", GPT-2's "gpt-2", ...) keep the GPT-2 byte-level regex.
 _PRE_TOKENIZER_SPLITS = {
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-    "gpt-4o": _GPT4O_SPLIT, "llama4": _GPT4O_SPLIT,
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+                     "midm-2.0", "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
 }
 
 
@@ -158,12 +166,18 @@ class Tokenizer:
 
     special = {"bos_token": token_of("bos"), "eos_token": token_of("eos"),
                "unk_token": token_of("unknown"), "pad_token": token_of("padding")}
-    eos_ids = [gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    return cls._assemble(
-        backend, special, add_bos=gguf_value(reader, "tokenizer.ggml.add_bos_token", False),
-        add_eos=gguf_value(reader, "tokenizer.ggml.add_eos_token", False),
-        extra_eos_ids=[i for i in eos_ids if i is not None],
+    tokenizer = cls._assemble(
+        backend, special, extra_eos_ids=[
+            i for k in ("eos", "eot", "eom")
+            if (i := gguf_value(reader, f"tokenizer.ggml.{k}_token_id")) is not None],
         chat_template=gguf_value(reader, "tokenizer.chat_template"))
+    add_bos = gguf_value(reader, "tokenizer.ggml.add_bos_token", False)
+    add_eos = gguf_value(reader, "tokenizer.ggml.add_eos_token", False)
+    bos, eos = special["bos_token"], special["eos_token"]
+    backend.post_processor = _bos_eos_post_processor(
+        (bos, backend.token_to_id(bos)) if add_bos and bos else None,
+        (eos, backend.token_to_id(eos)) if add_eos and eos else None)
+    return tokenizer
 
   @classmethod
   def from_dir(cls, path: str) -> "Tokenizer":
@@ -188,24 +202,17 @@ class Tokenizer:
         template = fh.read()
     gen_eos = _read_json(os.path.join(path, "generation_config.json")).get("eos_token_id")
     extra_eos = gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
-    # tokenizer.json's own post-processor is kept unless the config states add_bos/add_eos.
-    explicit = "add_bos_token" in cfg or "add_eos_token" in cfg
-    return cls._assemble(backend, special, add_bos=cfg.get("add_bos_token", False) if explicit else None,
-                         add_eos=cfg.get("add_eos_token", False), extra_eos_ids=extra_eos,
-                         chat_template=template)
+    # BOS/EOS come from tokenizer.json's post-processor: transformers 5 ignores the config's
+    # add_bos_token/add_eos_token whenever a tokenizer.json exists.
+    return cls._assemble(backend, special, extra_eos_ids=extra_eos, chat_template=template)
 
   @classmethod
-  def _assemble(cls, backend: HFTokenizer, special: dict[str, str | None], *, add_bos: bool | None,
-                add_eos: bool, extra_eos_ids: list[int], chat_template: str | None) -> "Tokenizer":
-    """Steps transformers' TokenizersBackend applies after building the backend tokenizer."""
+  def _assemble(cls, backend: HFTokenizer, special: dict[str, str | None], *,
+                extra_eos_ids: list[int], chat_template: str | None) -> "Tokenizer":
+    """transformers' TokenizersBackend adds named special tokens the backend lacks as special."""
     added = {t.content for t in backend.get_added_tokens_decoder().values()}
     backend.add_special_tokens([AddedToken(t, special=True) for t in dict.fromkeys(special.values())
                                 if t is not None and t not in added])
-    if add_bos is not None:  # None: keep the backend's post-processor as it is
-      ids = {k: backend.token_to_id(t) for k, t in special.items() if t is not None}
-      bos = (special["bos_token"], ids["bos_token"]) if add_bos and "bos_token" in ids else None
-      eos = (special["eos_token"], ids["eos_token"]) if add_eos and "eos_token" in ids else None
-      backend.post_processor = _bos_eos_post_processor(bos, eos)
     eos_ids = [backend.token_to_id(special["eos_token"])] if special["eos_token"] else []
     return cls(backend, special_tokens=special,
                eos_token_ids=tuple(dict.fromkeys(eos_ids + list(extra_eos_ids))),

@@ -7,6 +7,7 @@ llama.cpp's rotary permutation of Q/K is undone exactly as transformers undoes i
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Any
@@ -68,11 +69,22 @@ class _Reader(GGUFReader):
 
 
 def open_gguf(path: str) -> GGUFReader:
-  """Memory-map a GGUF file, turning every parse failure into a WeightError naming the file."""
+  """Memory-map a GGUF file, turning every parse failure into a WeightError naming the file.
+
+  Readers are cached per file version: parsing the metadata (one numpy view per vocabulary
+  string) takes seconds, and a model's tokenizer and weights usually come from the same file.
+  """
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path}: no such GGUF file")
+  st = os.stat(path)
+  return _open_cached(os.path.realpath(path), st.st_size, st.st_mtime_ns, path)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(realpath: str, size: int, mtime_ns: int, path: str) -> GGUFReader:
+  del size, mtime_ns  # cache key only: a rewritten file is parsed again
   try:
-    return _Reader(path)
+    return _Reader(realpath)
   except (ValueError, KeyError, IndexError, OverflowError, TypeError) as e:
     # The reader parses with numpy views, so a file cut short fails with reshape/view errors.
     raise WeightError(f"{path}: truncated or corrupt GGUF file: {e}") from None
@@ -165,9 +177,10 @@ def gguf_config(reader: GGUFReader, source: str) -> ModelConfig:
     raise WeightError(f"{source}: mixture-of-experts GGUF files ({arch}.expert_count="
                       f"{gguf_value(reader, f'{arch}.expert_count')}) are not supported")
   hidden, heads = need("embedding_length"), need("attention.head_count")
-  head_dim = gguf_value(reader, f"{arch}.attention.key_length") or hidden // heads
-  rope_dim = gguf_value(reader, f"{arch}.rope.dimension_count", head_dim)
-  if rope_dim != head_dim:
+  rope_dim = gguf_value(reader, f"{arch}.rope.dimension_count")
+  # transformers reads Llama's head dim from the rope dimension; newer files also state it.
+  head_dim = gguf_value(reader, f"{arch}.attention.key_length") or rope_dim or hidden // heads
+  if rope_dim is not None and rope_dim != head_dim:
     raise WeightError(f"{source}: partial rotary embeddings ({arch}.rope.dimension_count="
                       f"{rope_dim}, head dim {head_dim}) are not supported")
   theta = float(gguf_value(reader, f"{arch}.rope.freq_base", 10000.0))

@@ -1,0 +1,36 @@
+"""Session fixtures: the real SmolLM2 GGUF, and HF transformers' tokenizer and model built from it.
+
+Built once per session: transformers' GGUF loading takes seconds to tens of seconds on 2 cores.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Nothing may reach a model hub; set before any test module imports transformers.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+  from jinfer.weights.builtin import builtin_gguf_path
+  return builtin_gguf_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_gguf):
+  import transformers
+  folder, name = os.path.split(smollm2_gguf)
+  return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_model(smollm2_gguf):
+  import torch
+  import transformers
+  folder, name = os.path.split(smollm2_gguf)
+  model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                            dtype=torch.float32)
+  return model.eval()

@@ -1,0 +1,229 @@
+"""GGUF loading: tiny random files of every supported architecture and storage type against HF
+transformers' own GGUF loader, the real SmolLM2 file, and the errors bad files raise."""
+from __future__ import annotations
+
+import math
+import os
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jinfer.models import AttentionMetadata, CausalLM
+from jinfer.models.llama import param_shapes
+from jinfer.weights.gguf_file import gguf_to_hf_name, load_gguf
+from jinfer.weights.hf_layout import WeightError, hf_to_params
+from pallas_kernels import KVCacheSpec
+from tests.tiny_gguf import HIDDEN, SHAPES, write_tiny_gguf
+
+PAGE_SIZE = 16
+
+
+def _logits(config, params, ids: list[int]) -> np.ndarray:  # [T, V]: one sequence, all rows
+  t = len(ids)
+  pages = -(-t // PAGE_SIZE)
+  spec = KVCacheSpec(num_layers=config.num_layers, num_pages=1 + pages, page_size=PAGE_SIZE,
+                     num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+  md = AttentionMetadata(
+      slot_mapping=jnp.arange(PAGE_SIZE, PAGE_SIZE + t, dtype=jnp.int32),  # pages 1.. in order
+      block_table=jnp.arange(1, 1 + pages, dtype=jnp.int32)[None], kv_lens=jnp.array([t], jnp.int32),
+      cu_q_lens=jnp.array([0, t], jnp.int32), num_seqs=jnp.array([1], jnp.int32), max_q_len=t)
+  # Jitted: op-by-op dispatch of 30 layers' attention loops is several times slower here.
+  logits, _ = jax.jit(CausalLM(config).apply)({"params": params}, jnp.asarray(ids, jnp.int32),
+                                              jnp.arange(t, dtype=jnp.int32), spec.allocate(), md)
+  return np.asarray(logits)
+
+
+def _hf_from_gguf(path: str):
+  folder, name = os.path.split(path)
+  return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                           dtype=torch.float32).eval()
+
+
+def _hf_logits(hf, ids: list[int]) -> np.ndarray:
+  with torch.no_grad():
+    return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+# (architecture, tied embeddings): Llama undoes llama.cpp's Q/K permutation, Qwen2 has biases,
+# Qwen3 has q/k norms and a head dim that is not hidden / heads.
+VARIANTS = [("llama", False), ("qwen2", True), ("qwen3", False)]
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=[a for a, _ in VARIANTS])
+def tiny(request, tmp_path_factory):
+  arch, tied = request.param
+  path = str(tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf")
+  write_tiny_gguf(path, arch, tied=tied)
+  config, params = load_gguf(path)
+  return path, config, params, _hf_from_gguf(path)
+
+
+def test_tiny_config(tiny):
+  path, config, _, hf = tiny
+  heads, kv_heads, head_dim = SHAPES[config.architecture]
+  assert (config.num_heads, config.num_kv_heads, config.head_dim) == (heads, kv_heads, head_dim)
+  assert config.hidden_size == HIDDEN and config.num_layers == 2 and config.vocab_size == 96
+  assert config.tie_word_embeddings == hf.config.tie_word_embeddings
+  assert config.rope_theta == 50000.0 and config.rms_norm_eps == pytest.approx(1e-5)
+  assert config.bos_token_id == 1 and config.eos_token_ids == (2,)
+
+
+def test_params_equal_transformers_dequantized_tensors(tiny):
+  """Every storage type, the renaming and the Q/K un-permutation match transformers bit for bit
+  (transformers dequantizes with gguf.quants.dequantize too)."""
+  _, config, params, hf = tiny
+  state = {k: v.numpy() for k, v in hf.state_dict().items()}
+  expected = hf_to_params(config, state.__getitem__, source="transformers")
+  jax.tree.map(np.testing.assert_array_equal, params, expected)
+
+
+def test_logits_match_transformers(tiny):
+  _, config, params, hf = tiny
+  ids = np.random.default_rng(0).integers(0, config.vocab_size, 21).tolist()
+  ours, ref = _logits(config, params, ids), _hf_logits(hf, ids)
+  np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
+
+
+def test_unquantized_llama_reproduces_hf_weights_exactly(tmp_path):
+  """Independent of transformers: llama.cpp's permutation written, ours undoes it exactly."""
+  path = str(tmp_path / "f32.gguf")
+  originals = write_tiny_gguf(path, "llama", all_f32=True)
+  config, params = load_gguf(path)
+  expected = hf_to_params(config, {gguf_to_hf_name(k): v for k, v in originals.items()}.__getitem__,
+                          source="originals")
+  jax.tree.map(np.testing.assert_array_equal, params, expected)
+
+
+def _llama_cpp_rope_factors(theta: float, dim: int, factor: float) -> np.ndarray:
+  """llama.cpp convert_hf_to_gguf's `rope_freqs` for Llama 3.1 scaling (lo 1, hi 4, 8192)."""
+  freqs = 1.0 / theta ** (np.arange(0, dim, 2) / dim)
+  out = []
+  for f in freqs:
+    wavelen = 2 * math.pi / f
+    if wavelen < 8192 / 4:
+      out.append(1.0)
+    elif wavelen > 8192 / 1:
+      out.append(factor)
+    else:
+      smooth = (8192 / wavelen - 1) / (4 - 1)
+      out.append(1 / ((1 - smooth) / factor + smooth))
+  return np.array(out, np.float32)
+
+
+def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
+  path = str(tmp_path / "rope.gguf")
+  factors = _llama_cpp_rope_factors(50000.0, 64, 8.0)
+  assert (factors == 1).any() and (factors == 8).any() and ((factors > 1) & (factors < 8)).any()
+  write_tiny_gguf(path, "llama", extra=lambda w: w.add_tensor("rope_freqs.weight", factors))
+  config, _ = load_gguf(path)
+  assert config.rope_scaling_dict == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}
+
+  bad = str(tmp_path / "bad-rope.gguf")
+  write_tiny_gguf(bad, "llama", extra=lambda w: w.add_tensor("rope_freqs.weight", factors[::-1].copy()))
+  with pytest.raises(WeightError, match="rope_freqs"):
+    load_gguf(bad)
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def test_truncated_file_names_file_and_tensor(tmp_path):
+  path = str(tmp_path / "cut.gguf")
+  write_tiny_gguf(path, "llama")
+  size = os.path.getsize(path)
+  with open(path, "r+b") as fh:
+    fh.truncate(size - 1000)  # the last tensor, output.weight, loses its tail
+  with pytest.raises(WeightError, match=rf"{path}: truncated or corrupt .*tensor 'output\.weight'"):
+    load_gguf(path)
+  with open(path, "r+b") as fh:
+    fh.truncate(200)  # inside the metadata
+  with pytest.raises(WeightError, match=rf"{path}: truncated or corrupt"):
+    load_gguf(path)
+
+
+def test_not_a_gguf_file(tmp_path):
+  path = tmp_path / "x.gguf"
+  path.write_bytes(b"not a gguf file at all" * 10)
+  with pytest.raises(WeightError, match="truncated or corrupt"):
+    load_gguf(str(path))
+
+
+def test_unsupported_architecture(tmp_path):
+  path = str(tmp_path / "gpt2.gguf")
+  w = gguf.GGUFWriter(path, "gpt2")
+  w.add_block_count(1)
+  w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(WeightError, match=rf"{path}: unsupported GGUF architecture 'gpt2'"):
+    load_gguf(path)
+
+
+def test_mixture_of_experts_is_rejected(tmp_path):
+  path = str(tmp_path / "moe.gguf")
+  write_tiny_gguf(path, "llama", extra=lambda w: w.add_expert_count(8))
+  with pytest.raises(WeightError, match="mixture-of-experts"):
+    load_gguf(path)
+
+
+def test_missing_tensor(tmp_path):
+  path = str(tmp_path / "missing.gguf")
+  write_tiny_gguf(path, "llama", drop=("blk.1.ffn_up.weight",))
+  with pytest.raises(WeightError, match=rf"{path}: missing tensor 'blk\.1\.ffn_up\.weight'"):
+    load_gguf(path)
+
+
+def test_unsupported_storage_type(tmp_path):
+  path = str(tmp_path / "int.gguf")
+  write_tiny_gguf(path, "llama", replace={"blk.0.ffn_norm.weight": np.ones(HIDDEN, np.int32)})
+  with pytest.raises(WeightError, match=r"tensor 'blk\.0\.ffn_norm\.weight' has type I32"):
+    load_gguf(path)
+
+
+def test_wrong_shape(tmp_path):
+  path = str(tmp_path / "shape.gguf")
+  write_tiny_gguf(path, "llama", replace={"blk.0.attn_v.weight": np.zeros((64, HIDDEN), np.float32)})
+  with pytest.raises(WeightError, match=r"v_proj\.weight' has shape \(64, 256\), expected \(128, 256\)"):
+    load_gguf(path)
+
+
+# --- the real SmolLM2-135M-Instruct (Q4_1 + Q8_0 embeddings) ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+  return load_gguf(smollm2_gguf)
+
+
+@pytest.mark.slow
+def test_smollm2_config_and_params(smollm2):
+  config, params = smollm2
+  assert config.architecture == "llama"
+  assert (config.num_layers, config.hidden_size, config.intermediate_size) == (30, 576, 1536)
+  assert (config.num_heads, config.num_kv_heads, config.head_dim) == (9, 3, 64)
+  assert config.vocab_size == 49152 and config.tie_word_embeddings
+  assert config.rope_theta == 100000.0 and config.rope_scaling is None
+  assert config.max_position_embeddings == 8192
+  assert config.bos_token_id == 1 and config.eos_token_ids == (2,)
+  assert "lm_head" not in params
+  shapes = jax.tree.map(lambda s: (s.shape, s.dtype), param_shapes(config))
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == shapes
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers(smollm2, hf_smollm2_model):
+  config, params = smollm2
+  # "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n"
+  ids = [1, 4093, 198, 19161, 253, 421, 30614, 563, 260, 3426, 30, 2, 198, 1, 520, 9531, 198]
+  ours, ref = _logits(config, params, ids), _hf_logits(hf_smollm2_model, ids)
+  np.testing.assert_allclose(ours, ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+  assert (ours.argmax(-1) == ref.argmax(-1)).all()
