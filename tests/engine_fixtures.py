@@ -1,0 +1,49 @@
+"""Shared builders for engine tests: a tiny random Llama with SmolLM2's tokenizer."""
+from __future__ import annotations
+
+import os
+
+import jax
+import torch
+import transformers
+
+from jinfer.config import ModelConfig
+from jinfer.engine.engine import LLMEngine
+from jinfer.engine.engine_config import EngineConfig
+from jinfer.tokenizer import Tokenizer
+from jinfer.weights.safetensors_dir import load_safetensors_dir
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def tiny_loaded(path: str, gguf: str):
+  """(config, params, tokenizer) of a 2-layer random Llama over SmolLM2's vocabulary."""
+  tok = Tokenizer.from_gguf(gguf)
+  torch.manual_seed(0)
+  cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=1024, tie_word_embeddings=True,
+                                 eos_token_id=list(tok.eos_token_ids))
+  hf = transformers.LlamaForCausalLM(cfg)
+  # Random weights give near-uniform logits; sharpen them so greedy decoding has clear winners.
+  with torch.no_grad():
+    hf.model.embed_tokens.weight.mul_(40.0)
+  hf.save_pretrained(path)
+  config = ModelConfig.from_hf_dir(path)
+  return config, load_safetensors_dir(path, config), tok
+
+
+class CompileCounter:
+  """Counts XLA backend compiles from the moment it is made."""
+
+  def __init__(self):
+    self.count = 0
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+  def _on_event(self, event: str, duration: float, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      self.count += 1
+
+
+def make_engine(loaded, **options) -> LLMEngine:
+  return LLMEngine(config=EngineConfig(**options), _loaded=loaded)

@@ -1,0 +1,199 @@
+"""Engine invariants on a tiny random model: batch invariance, prefix cache, leaks, compiles."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jinfer.sampling_params import SamplingParams
+from tests.engine_fixtures import CompileCounter, make_engine, tiny_loaded
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory, smollm2_gguf):
+  return tiny_loaded(str(tmp_path_factory.mktemp("tiny")), smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def engine(loaded):
+  # Small budget and pool: long prompts are chunked and the pool forces preemption.
+  return make_engine(loaded, max_model_len=256, page_size=8, num_pages=90, max_num_seqs=16,
+                     max_num_batched_tokens=64, max_prefill_seqs=2)
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 5, hi: int = 120) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, 49000, rng.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+def _run(engine, prompts, params) -> dict[str, list[int]]:
+  rids = [engine.add_request(None, p, params) for p in prompts]
+  final = engine.run_to_completion(rids)
+  return [final[r].outputs[0].token_ids for r in rids]
+
+
+def test_greedy_output_same_alone_and_in_a_batch(engine):
+  prompts = _prompts(20)
+  shared = _prompts(1, seed=9, lo=40, hi=41)[0]
+  prompts += [shared + p[:7] for p in prompts[:4]]  # prefix hits among these
+  alone = [_run(engine, [p], GREEDY)[0] for p in prompts]
+  before = engine.stats()
+  together = _run(engine, prompts, GREEDY)
+  after = engine.stats()
+  assert after.num_preemptions > before.num_preemptions, "the pool was meant to force preemption"
+  for i, (a, b) in enumerate(zip(alone, together)):
+    assert a == b, f"request {i} differs in a batch"
+
+
+def test_prefix_cache_skips_shared_prompt_and_keeps_output(loaded):
+  eng = make_engine(loaded, max_model_len=256, page_size=8, max_num_seqs=8,
+                    max_num_batched_tokens=64)
+  system = _prompts(1, seed=3, lo=96, hi=97)[0]
+  prompts = [system + q for q in _prompts(4, seed=4, lo=5, hi=9)]
+  first = _run(eng, prompts[:1], GREEDY)
+  computed_before = eng.stats().prompt_tokens
+  rest = _run(eng, prompts[1:], GREEDY)
+  computed = eng.stats().prompt_tokens - computed_before
+  # The 96-token system prompt is 12 full pages: only the question tails are computed.
+  assert computed <= sum(len(p) - 96 for p in prompts[1:]) + 3 * 8
+  assert eng.stats().prefix_hit_rate > 0.5
+  cold = make_engine(loaded, max_model_len=256, page_size=8, max_num_seqs=8,
+                     max_num_batched_tokens=64, enable_prefix_caching=False)
+  assert _run(cold, prompts, GREEDY) == first + rest
+
+
+def test_random_aborts_leak_no_pages(engine):
+  rng = np.random.default_rng(5)
+  prompts = _prompts(24, seed=6)
+  live = []
+  for i, p in enumerate(prompts):
+    live.append(engine.add_request(f"leak-{i}", p, SamplingParams(temperature=0.8, max_tokens=40)))
+    for _ in range(int(rng.integers(0, 3))):
+      for o in engine.step():
+        if o.finished:
+          live.remove(o.request_id)
+    if live and rng.random() < 0.4:
+      victim = live.pop(int(rng.integers(len(live))))
+      assert engine.abort(victim)
+  engine.run_to_completion()
+  assert not engine.scheduler.running and not engine.scheduler.waiting
+  b = engine.blocks
+  assert b.num_free_pages == b.num_usable_pages
+  assert all(r == 0 for r in b.ref[1:])
+  b.check_consistency()
+
+
+def test_seeded_sampling_independent_of_batch(engine):
+  params = SamplingParams(temperature=8.0, top_p=0.95, top_k=500, seed=1234, max_tokens=16)
+  prompt = _prompts(1, seed=7)[0]
+  alone = _run(engine, [prompt], params)[0]
+  others = [SamplingParams(temperature=0.7, seed=i, max_tokens=10) for i in range(8)]
+  rids = [engine.add_request(None, p, sp) for p, sp in zip(_prompts(8, seed=8), others)]
+  rid = engine.add_request(None, prompt, params)
+  final = engine.run_to_completion(rids + [rid])
+  assert final[rid].outputs[0].token_ids == alone
+  # And a different seed gives a different sample.
+  other = _run(engine, [prompt], dataclasses.replace(params, seed=99))[0]
+  assert other != alone
+
+
+def test_no_compiles_after_warmup(loaded):
+  eng = make_engine(loaded, max_model_len=256, page_size=8, max_num_seqs=8,
+                    max_num_batched_tokens=32, max_prefill_seqs=2)
+  counter = CompileCounter()
+  prompts = _prompts(12, seed=10, lo=1, hi=200)
+  params = [SamplingParams(temperature=t, top_p=tp, top_k=k, min_p=mp, max_tokens=m, seed=i,
+                           logprobs=lp, presence_penalty=pp, repetition_penalty=rp, min_tokens=2,
+                           stop=["ab"] if i % 3 else (), n=2 if i % 5 == 0 else 1)
+            for i, (t, tp, k, mp, m, lp, pp, rp) in enumerate(zip(
+                [0, 0.7, 1.0] * 4, [1, 0.9] * 6, [-1, 5, 20] * 4, [0, 0.1] * 6,
+                [2, 7, 30, 55] * 3, [None, 3] * 6, [0, 0.5, 0, -0.3] * 3, [1, 1.2, 1] * 4))]
+  rids = [eng.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+  eng.abort(rids[4])
+  eng.run_to_completion()
+  assert counter.count == 0, f"{counter.count} compiles after warmup"
+
+
+def test_n_samples_share_prompt_pages(loaded):
+  eng = make_engine(loaded, max_model_len=256, page_size=8, max_num_seqs=8,
+                    max_num_batched_tokens=64)
+  prompt = _prompts(1, seed=11, lo=64, hi=65)[0]
+  rid = eng.add_request(None, prompt, SamplingParams(n=3, temperature=8.0, seed=5, max_tokens=8))
+  out = eng.run_to_completion([rid])[rid]
+  assert [c.index for c in out.outputs] == [0, 1, 2]
+  assert all(len(c.token_ids) == 8 for c in out.outputs)
+  assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+  # The siblings found the first sample's 7 full prompt pages in the cache.
+  assert eng.stats().prompt_tokens == 64 + 2 * 8
+
+
+def test_stop_conditions(engine):
+  prompt = _prompts(1, seed=12)[0]
+  free = _run(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+  stop_tok = free[5]
+  rid = engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=20,
+                                                       stop_token_ids=[stop_tok]))
+  out = engine.run_to_completion([rid])[rid].outputs[0]
+  first = free.index(stop_tok)
+  assert out.token_ids == free[:first + 1]
+  assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+
+  rid = engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=20,
+                                                       ignore_eos=True))
+  full = engine.run_to_completion([rid])[rid].outputs[0]
+  assert full.finish_reason == "length" and len(full.token_ids) == 20
+  stop = full.text[10:13]
+  rid = engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=20,
+                                                       ignore_eos=True, stop=[stop]))
+  cut = engine.run_to_completion([rid])[rid].outputs[0]
+  assert cut.finish_reason == "stop" and cut.stop_reason == stop
+  assert cut.text == full.text[:full.text.index(stop)]
+
+
+def test_logprobs_and_penalties(engine):
+  prompt = _prompts(1, seed=13)[0]
+  rid = engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=6, logprobs=5,
+                                                       ignore_eos=True))
+  out = engine.run_to_completion([rid])[rid].outputs[0]
+  assert len(out.logprobs) == 6
+  for tok, entry in zip(out.token_ids, out.logprobs):
+    assert len(entry) == 5 and tok in entry  # greedy: the sampled token is the top one
+    assert entry[tok] == pytest.approx(max(entry.values()))
+    assert all(v <= 0.0 for v in entry.values())
+  rid = engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=12,
+                                                       ignore_eos=True, repetition_penalty=50.0))
+  rep = engine.run_to_completion([rid])[rid].outputs[0].token_ids
+  assert len(set(rep)) == len(rep), "a huge repetition penalty must forbid repeats"
+  assert not set(rep) & set(prompt)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(prompt=[]), "empty"),
+    (dict(prompt=[1] * 300), "max_model_len"),
+    (dict(prompt=[10**6]), "outside the vocabulary"),
+    (dict(params=SamplingParams(max_tokens=250)), "exceeds max_model_len"),
+])
+def test_bad_requests_rejected_before_queueing(engine, bad, match):
+  before = len(engine.scheduler.waiting)
+  with pytest.raises(ValueError, match=match):
+    engine.add_request(None, bad.get("prompt", [5, 6, 7] * 3), bad.get("params"))
+  assert len(engine.scheduler.waiting) == before and not engine.has_unfinished_requests()
+
+
+def test_duplicate_request_id_rejected(engine):
+  engine.add_request("dup", [5, 6, 7], SamplingParams(max_tokens=2))
+  with pytest.raises(ValueError, match="already in use"):
+    engine.add_request("dup", [5, 6, 7], SamplingParams(max_tokens=2))
+  engine.run_to_completion()
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5),
+                                    dict(top_k=-3), dict(min_p=2), dict(max_tokens=0),
+                                    dict(n=0), dict(logprobs=21), dict(min_tokens=5, max_tokens=2),
+                                    dict(presence_penalty=3), dict(repetition_penalty=0)])
+def test_invalid_sampling_params(kwargs):
+  with pytest.raises(ValueError):
+    SamplingParams(**kwargs)
