@@ -8,10 +8,12 @@ in interpret mode, so everything here runs on the CPU.
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
+import runpy
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
@@ -233,10 +235,6 @@ def test_unknown_backend_raises():
 
 def test_bench_script_smoke(tmp_path):
   """The device benchmark script runs end to end (tiny shapes, kernels interpreted)."""
-  import json
-  import pathlib
-  import runpy
-
   script = pathlib.Path(__file__).parents[1] / "examples" / "bench_kernels_device.py"
   main = runpy.run_path(str(script))["main"]
   out = tmp_path / "bench.json"
