@@ -22,6 +22,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from jinfer.weights.gguf_file import gguf_value, open_gguf
 
+# Names a message's reasoning comes under; transformers fills the first two from any of them.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -252,8 +254,13 @@ class Tokenizer:
       raise ValueError("this tokenizer has no chat template")
     if self._compiled is None:
       self._compiled = _compile_chat_template(self._chat_template)
-    # transformers drops None-valued keys: templates handle a missing key, not a literal None.
+    # transformers drops None-valued keys (templates handle a missing key, not a literal None)
+    # and passes a message's reasoning under every name templates read it by.
     chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    for i, m in enumerate(chat):
+      reasoning = next((m[k] for k in _REASONING_FIELDS if k in m), None)
+      if reasoning is not None:
+        chat[i] = {"thinking": reasoning, **m, "reasoning_content": reasoning}
     context = {k: v for k, v in self._special_tokens.items() if v is not None}
     context |= {"tools": None, "documents": None} | kwargs
     text = self._compiled.render(messages=chat, add_generation_prompt=add_generation_prompt,

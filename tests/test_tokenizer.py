@@ -7,7 +7,7 @@ import gguf
 import pytest
 import transformers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import processors
+from tokenizers import decoders, models, processors
 
 from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 from jinfer.weights.gguf_file import gguf_value, open_gguf
@@ -92,6 +92,24 @@ def test_incremental_detokenizer_flushes_a_cut_character(ours):
   assert ours.decode(cut).endswith("\ufffd")
 
 
+def test_incremental_detokenizer_keeps_sentencepiece_spaces(tmp_path):
+  """Metaspace decoders drop the first token's leading space; a stream must not drop it for
+  every token. Llama-2-style decoder, with byte fallback for a character split over 3 tokens."""
+  vocab = {"<unk>": 0, "\u2581Hello": 1, "\u2581world": 2, "\u2581": 3}
+  vocab |= {f"<0x{b:02X}>": 4 + b for b in range(256)}
+  backend = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+  backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                       decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+  backend.save(str(tmp_path / "tokenizer.json"))
+  tok = Tokenizer.from_dir(str(tmp_path))
+  ids = [1, 2, 3] + [4 + b for b in "日".encode()] + [2]
+  assert tok.decode(ids) == "Hello world 日 world"
+  detok = IncrementalDetokenizer(tok)
+  deltas = [detok.add(i) for i in ids]
+  assert deltas == ["Hello", " world", " ", "", "", "日", " world"]
+  assert detok.flush() == ""
+
+
 @pytest.fixture(scope="module")
 def saved_dir(hf_smollm2_tokenizer, tmp_path_factory):
   path = tmp_path_factory.mktemp("tok")
@@ -139,6 +157,12 @@ def test_from_dir_bos_post_processor_and_custom_template_match_hf(saved_dir, tmp
               {"role": "tool", "content": "skipped"}, {"role": "user", "content": "x", "meta": None}]
   assert ours.apply_chat_template(messages, mood="calm") == \
       hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, mood="calm")
+  (tmp_path / "chat_template.jinja").write_text(
+      "{% for m in messages %}[{{ m.reasoning_content }}|{{ m.thinking }}]{% endfor %}")
+  reasoning = [{"role": "assistant", "content": "", "reasoning": "hmm"}]
+  assert Tokenizer.from_dir(str(tmp_path)).apply_chat_template(reasoning) == \
+      transformers.AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+          reasoning, tokenize=False, add_generation_prompt=True) == "[hmm|hmm]"
 
 
 def test_gguf_variant_matches_hf(smollm2_gguf, tmp_path):
@@ -188,4 +212,17 @@ def test_gguf_without_merges_is_rejected(tmp_path):
   path = str(tmp_path / "tiny.gguf")
   write_tiny_gguf(path)  # a vocabulary but no merges
   with pytest.raises(ValueError, match="merges"):
+    Tokenizer.from_gguf(path)
+
+
+def test_gguf_sentencepiece_tokenizer_is_rejected(tmp_path):
+  path = str(tmp_path / "spm.gguf")
+  w = gguf.GGUFWriter(path, "llama")
+  w.add_tokenizer_model("llama")
+  w.add_token_list(["<unk>", "<s>", "</s>"])
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model='llama' is not supported"):
     Tokenizer.from_gguf(path)
