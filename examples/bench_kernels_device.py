@@ -121,7 +121,7 @@ def bench_attention(args, backends: list[str], interpret: bool) -> list[dict]:
 
 def bench_int8_matmul(args, backends: list[str], interpret: bool) -> list[dict]:
   k, n = (256, 384) if args.smoke else (4096, 14336)
-  ms_list = (4, 40) if args.smoke else (16, 4096)
+  ms_list = (40,) if args.smoke else (16, 4096)
   dtype = jnp.float32 if args.smoke else jnp.bfloat16
   kx, kw_ = jax.random.split(jax.random.key(1))
   w = jax.random.normal(kw_, (k, n), jnp.float32) * 0.02
