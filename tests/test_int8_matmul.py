@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.int8_matmul import int8_matmul, quantize_per_channel, quantize_per_token
 
@@ -67,6 +69,22 @@ def test_kernel_matches_reference(backend, mode, dtype, m, k, n, blocks):
   tol = 1e-2 if dtype == "bfloat16" else 1e-5  # bf16: output rounding only
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                              atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_pallas_tpu_detect_races(mode):
+  """The strict TPU interpreter, two simulated cores splitting the parallel grid axes."""
+  x, wq, ws = _operands(37, 256, 200, jnp.float32)
+  params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+  pltpu.reset_tpu_interpret_mode_state()
+  try:
+    got = int8_matmul(x, wq, ws, mode=mode, backend="pallas_tpu", interpret=params, block_m=32,
+                      block_n=128, block_k=128)
+    assert not tpu_interpret.races.races_found
+  finally:
+    pltpu.reset_tpu_interpret_mode_state()
+  np.testing.assert_allclose(np.asarray(got), np.asarray(int8_matmul(x, wq, ws, mode=mode)),
+                             atol=1e-5, rtol=1e-5)
 
 
 def _exact_int_operands():
