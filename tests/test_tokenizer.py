@@ -39,6 +39,7 @@ def ours(smollm2_gguf) -> Tokenizer:
   return Tokenizer.from_gguf(smollm2_gguf)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_decode_match_hf(ours, hf_smollm2_tokenizer, text):
   hf = hf_smollm2_tokenizer
@@ -50,6 +51,7 @@ def test_encode_decode_match_hf(ours, hf_smollm2_tokenizer, text):
   assert ours.decode(ids, skip_special_tokens=False) == text  # byte-level BPE is lossless
 
 
+@pytest.mark.slow
 def test_properties_match_hf(ours, hf_smollm2_tokenizer):
   hf = hf_smollm2_tokenizer
   assert ours.vocab_size == len(hf) == 49152
@@ -58,6 +60,7 @@ def test_properties_match_hf(ours, hf_smollm2_tokenizer):
   assert ours.chat_template == hf.chat_template
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("system", [False, True], ids=["no-system", "system"])
 @pytest.mark.parametrize("generation_prompt", [True, False], ids=["gen", "no-gen"])
 def test_chat_template_matches_hf(ours, hf_smollm2_tokenizer, system, generation_prompt):
@@ -117,6 +120,7 @@ def saved_dir(hf_smollm2_tokenizer, tmp_path_factory):
   return path
 
 
+@pytest.mark.slow
 def test_from_dir_round_trip(ours, saved_dir):
   loaded = Tokenizer.from_dir(str(saved_dir))
   for text in TEXTS:
@@ -132,6 +136,7 @@ def _copy_dir(src, dst):
     (dst / f.name).write_bytes(f.read_bytes())
 
 
+@pytest.mark.slow
 def test_from_dir_bos_post_processor_and_custom_template_match_hf(saved_dir, tmp_path):
   """BOS from tokenizer.json's post-processor (transformers 5 ignores the config's add_bos_token
   when a tokenizer.json exists), and a template using HF's jinja extras."""
@@ -165,6 +170,7 @@ def test_from_dir_bos_post_processor_and_custom_template_match_hf(saved_dir, tmp
           reasoning, tokenize=False, add_generation_prompt=True) == "[hmm|hmm]"
 
 
+@pytest.mark.slow
 def test_gguf_variant_matches_hf(smollm2_gguf, tmp_path):
   """SmolLM2's vocabulary under another pre-tokenizer (a split regex), with BOS/EOS added and a
   user-defined token: each GGUF switch is handled as transformers handles it."""
@@ -197,6 +203,7 @@ def test_gguf_variant_matches_hf(smollm2_gguf, tmp_path):
   assert ours.encode("x")[0] == 1 and ours.encode("x")[-1] == 2
 
 
+@pytest.mark.slow
 def test_raise_exception_in_template(saved_dir, tmp_path):
   _copy_dir(saved_dir, tmp_path)
   (tmp_path / "chat_template.jinja").write_text(
