@@ -145,8 +145,9 @@ def _llama3_rope_scaling(freq_factors: np.ndarray, theta: float, head_dim: int, 
 
 def _dequantized(t, source: str) -> np.ndarray:  # [rows..., cols] float32, in GGUF's row order
   if t.tensor_type not in SUPPORTED_TYPES:
+    supported = ", ".join(q.name for q in SUPPORTED_TYPES)
     raise WeightError(f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which jinfer "
-                      f"cannot dequantize (supported: {', '.join(q.name for q in SUPPORTED_TYPES)})")
+                      f"cannot dequantize (supported: {supported})")
   return dequantize(t.data, t.tensor_type)
 
 
@@ -197,7 +198,8 @@ def gguf_config(reader: GGUFReader, source: str) -> ModelConfig:
     scaling = _llama3_rope_scaling(_dequantized(tensors["rope_freqs.weight"], source), theta,
                                    head_dim, source=source)
 
-  vocab = gguf_array_len(reader, "tokenizer.ggml.tokens") or gguf_value(reader, f"{arch}.vocab_size")
+  vocab = (gguf_array_len(reader, "tokenizer.ggml.tokens")
+           or gguf_value(reader, f"{arch}.vocab_size"))
   if vocab is None:
     raise WeightError(f"{source}: no tokenizer.ggml.tokens or {arch}.vocab_size to size the vocab")
   eos = [gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
