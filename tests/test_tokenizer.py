@@ -233,3 +233,12 @@ def test_gguf_sentencepiece_tokenizer_is_rejected(tmp_path):
   w.close()
   with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model='llama' is not supported"):
     Tokenizer.from_gguf(path)
+
+
+def test_gguf_tables_are_transformers_tables():
+  """The split regexes and byte alphabet are copies; transformers is not a runtime dependency."""
+  from transformers.convert_slow_tokenizer import bytes_to_unicode
+  from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+  from jinfer import tokenizer
+  assert tokenizer._PRE_TOKENIZER_SPLITS == GGUF_PRE_TOKENIZER_SPLITS
+  assert tokenizer._bytes_to_unicode() == bytes_to_unicode()
