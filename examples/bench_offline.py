@@ -1,0 +1,198 @@
+"""Offline throughput: jinfer continuous vs static batching vs HF transformers, on one CPU.
+
+The workload of `jinfer bench` (vLLM's random dataset: 64 requests, prompts of 32-512 tokens
+from numpy seed 0, 128 output tokens, EOS ignored, all submitted at t=0) runs on
+  (a) jinfer with continuous batching,
+  (b) the same engine configuration with continuous batching off (static batches),
+  (c) HF transformers `generate` (torch CPU, float32, greedy) over left-padded static batches,
+then jinfer's single-stream decode is set against the memory-bandwidth roofline:
+bytes read per token (weights + the KV cache read at the mean context) / streaming bandwidth
+measured here. Prints one JSON object with the machine and the ratios.
+
+    python examples/bench_offline.py [--num-prompts 8 --output-len 16 --skip-hf] [--out F]
+
+Each engine compiles all its step shapes before its timed run. Setting JAX_COMPILATION_CACHE_DIR
+lets engine (b) load engine (a)'s executables instead of compiling them again. On a shared CPU
+the numbers move with the load, so the load average is recorded beside each phase.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach a model hub
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jinfer.bench.machine import machine_info
+from jinfer.bench.offline import RandomWorkload, run_offline
+from jinfer.engine.engine import LLMEngine
+from jinfer.engine.engine_config import EngineConfig
+from jinfer.sampling_params import SamplingParams
+from jinfer.weights.builtin import builtin_gguf_path, is_builtin
+from jinfer.weights.loader import DEFAULT_MODEL
+
+
+def _load() -> float | None:
+  return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
+def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
+  """Streaming read bandwidth: best of `repeats` full reductions of an array far beyond cache."""
+  a = np.ones(nbytes // 4, np.float32)
+  x = jnp.asarray(a)
+  total = jax.jit(jnp.sum)
+  total(x).block_until_ready()
+  best = {"numpy": 0.0, "jax": 0.0}
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    a.sum()
+    best["numpy"] = max(best["numpy"], nbytes / (time.perf_counter() - t0))
+    t0 = time.perf_counter()
+    total(x).block_until_ready()
+    best["jax"] = max(best["jax"], nbytes / (time.perf_counter() - t0))
+  return {"numpy_gb_s": best["numpy"] / 1e9, "jax_gb_s": best["jax"] / 1e9,
+          "gb_s": max(best.values()) / 1e9, "array_bytes": nbytes}
+
+
+def single_stream(engine: LLMEngine, prompt_len: int, output_len: int, bandwidth_gb_s: float,
+                  vocab_size: int) -> dict:
+  """Decode tokens/s of one request alone, against bytes-per-token / bandwidth."""
+  prompt = ((np.arange(prompt_len) * 7919) % vocab_size).tolist()
+  params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+  rid = engine.add_request("single-stream", prompt, params)
+  out = engine.run_to_completion([rid])[rid]
+  times = out.metrics.token_times
+  decode_tok_s = (len(times) - 1) / (times[-1] - times[0])
+  mc, spec = engine.model_config, engine.runner.spec
+  kv_bytes_per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * np.dtype(
+      spec.dtype).itemsize
+  mean_ctx = prompt_len + output_len / 2  # the context each decode step reads, on average
+  bytes_per_token = engine.runner.weight_bytes + mean_ctx * kv_bytes_per_token
+  roofline = bandwidth_gb_s * 1e9 / bytes_per_token
+  return {"prompt_len": prompt_len, "output_len": output_len, "decode_tokens_per_s": decode_tok_s,
+          "weight_bytes": engine.runner.weight_bytes, "kv_bytes_per_context_token": kv_bytes_per_token,
+          "bytes_per_token": bytes_per_token, "roofline_tokens_per_s": roofline,
+          "fraction_of_roofline": decode_tok_s / roofline}
+
+
+def _hf_load(model: str):
+  import torch
+  import transformers
+  path = builtin_gguf_path(model) if is_builtin(model) else model
+  if path.endswith(".gguf"):
+    folder, name = os.path.split(path)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                             dtype=torch.float32).eval()
+  return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def run_hf(model: str, prompts: list[list[int]], output_len: int, batch_size: int) -> dict:
+  """HF `generate`, greedy, over left-padded static batches in request order."""
+  import torch
+  import transformers
+  t0 = time.monotonic()
+  hf = _hf_load(model)
+  load_s = time.monotonic() - t0
+  eos = hf.generation_config.eos_token_id
+  pad = hf.config.pad_token_id
+  if pad is None:  # padded positions are masked out, so any id serves
+    pad = (eos[0] if isinstance(eos, list) else eos) or 0
+  load_at_start = _load()
+  t0 = time.monotonic()
+  out_tok = 0
+  for i in range(0, len(prompts), batch_size):
+    batch = prompts[i:i + batch_size]
+    width = max(map(len, batch))
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, p in enumerate(batch):
+      ids[row, width - len(p):] = torch.tensor(p)
+      mask[row, width - len(p):] = 1
+    with torch.inference_mode():
+      gen = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                        min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+    out_tok += (gen.shape[1] - width) * len(batch)
+  wall = time.monotonic() - t0
+  in_tok = sum(map(len, prompts))
+  return {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
+          "torch_threads": torch.get_num_threads(), "batch_size": batch_size, "load_s": load_s,
+          "output_tokens": out_tok, "wall_s": wall, "requests_per_s": len(prompts) / wall,
+          "output_tokens_per_s": out_tok / wall, "total_tokens_per_s": (in_tok + out_tok) / wall,
+          "load_avg_1m": {"start": load_at_start, "end": _load()}}
+
+
+def _jinfer_run(model: str, config: EngineConfig, workload: RandomWorkload,
+                prompts: list[list[int]]) -> tuple[LLMEngine, dict]:
+  engine = LLMEngine(model, config=config, warmup=True)
+  load_at_start = _load()
+  r = run_offline(engine, workload, prompts=prompts)
+  r.pop("machine")  # described once at the top
+  r["load_avg_1m"] = {"start": load_at_start, "end": _load()}
+  return engine, r
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--model", default=DEFAULT_MODEL)
+  ap.add_argument("--num-prompts", type=int, default=64)
+  ap.add_argument("--input-len-min", type=int, default=32)
+  ap.add_argument("--input-len-max", type=int, default=512)
+  ap.add_argument("--output-len", type=int, default=128)
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--max-num-seqs", type=int, default=64)
+  ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+  ap.add_argument("--hf-batch-size", type=int, default=16)
+  ap.add_argument("--single-stream-prompt-len", type=int, default=128)
+  ap.add_argument("--skip-hf", action="store_true")
+  ap.add_argument("--out", default=None, help="also write the JSON to this file")
+  args = ap.parse_args()
+
+  workload = RandomWorkload(num_prompts=args.num_prompts, input_len_min=args.input_len_min,
+                            input_len_max=args.input_len_max, output_len=args.output_len,
+                            seed=args.seed)
+  config = EngineConfig(max_model_len=max(workload.max_len,
+                                          args.single_stream_prompt_len + args.output_len),
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens)
+  report = {"machine": machine_info(), "model": args.model,
+            "workload": dataclasses.asdict(workload)}
+  report["memory_bandwidth"] = measure_bandwidth()
+
+  engine, report["jinfer_continuous"] = _jinfer_run(args.model, config, workload, None)
+  prompts = workload.prompts(engine.model_config.vocab_size)
+  report["jinfer_single_stream"] = single_stream(
+      engine, args.single_stream_prompt_len, args.output_len,
+      report["memory_bandwidth"]["gb_s"], engine.model_config.vocab_size)
+  del engine
+  gc.collect()  # one engine's KV cache at a time
+  engine, report["jinfer_static"] = _jinfer_run(
+      args.model, dataclasses.replace(config, continuous_batching=False), workload, prompts)
+  del engine
+  gc.collect()
+  if not args.skip_hf:
+    report["hf_transformers"] = run_hf(args.model, prompts, args.output_len, args.hf_batch_size)
+
+  tput = lambda k: report[k]["output_tokens_per_s"]
+  ratios = {"continuous_over_static": tput("jinfer_continuous") / tput("jinfer_static")}
+  if not args.skip_hf:
+    ratios["continuous_over_hf"] = tput("jinfer_continuous") / tput("hf_transformers")
+    ratios["static_over_hf"] = tput("jinfer_static") / tput("hf_transformers")
+  ratios["single_stream_over_roofline"] = report["jinfer_single_stream"]["fraction_of_roofline"]
+  report["ratios_output_tokens_per_s"] = ratios
+  text = json.dumps(report, indent=2)
+  print(text)
+  if args.out:
+    with open(args.out, "w") as fh:
+      fh.write(text + "\n")
+
+
+if __name__ == "__main__":
+  main()
