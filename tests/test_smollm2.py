@@ -1,0 +1,82 @@
+"""The real model: SmolLM2-135M-Instruct from its GGUF vs HF transformers on the same file."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jinfer import LLM, SamplingParams
+from tests.paged_batch import PagedBatch
+
+PROMPTS = [
+    "The history of the Roman Empire",
+    "def quicksort(arr):",
+    "Here is a list of the planets in the solar system:",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}],
+]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def llm():
+  return LLM(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128, page_size=16,
+             num_pages=60)
+
+
+def _hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
+  with torch.no_grad():
+    out = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+  return out[0, len(ids):].tolist()
+
+
+def test_logits_match_hf(llm, hf_smollm2_model):
+  eng = llm.engine
+  ids = [eng.tokenize(p) for p in PROMPTS]
+  batch = PagedBatch(eng.runner.model, eng.runner.params, len(ids), 16, 64)
+  ours = batch.step(ids)  # [S, V]
+  worst = 0.0
+  for s, seq in enumerate(ids):
+    with torch.no_grad():
+      ref = hf_smollm2_model(torch.tensor([seq])).logits[0, -1].numpy()
+    worst = max(worst, float(np.abs(ours[s] - ref).max()))
+  print(f"SmolLM2 max abs logit error vs HF: {worst:.2e}")
+  assert worst < 2e-3
+
+
+def test_greedy_tokens_match_hf_plain_and_chat(llm, hf_smollm2_model):
+  tok = llm.tokenizer
+  prompts = [tok.encode(p) for p in PROMPTS] + [
+      tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
+      for c in CHATS]
+  # min_tokens suppresses EOS exactly as HF's min_new_tokens does.
+  outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                              min_tokens=NEW_TOKENS))
+  for ids, out in zip(prompts, outs):
+    assert out.outputs[0].token_ids == _hf_greedy(hf_smollm2_model, ids, NEW_TOKENS)
+
+
+def test_chat_answer_is_coherent(llm):
+  out = llm.chat(CHATS[0], SamplingParams(temperature=0.0, max_tokens=32))[0].outputs[0]
+  assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+def test_batch_invariance_with_chunking_preemption_and_prefix_hits(llm):
+  rng = np.random.default_rng(0)
+  system = llm.tokenizer.encode("You are a helpful assistant who answers briefly. " * 6)
+  watched = [llm.tokenizer.encode(p) for p in PROMPTS] + [system + llm.tokenizer.encode("Hi!")]
+  fillers = [rng.integers(100, 40000, rng.integers(20, 200)).tolist() for _ in range(12)]
+  fillers += [system + rng.integers(100, 40000, 5).tolist() for _ in range(4)]
+  params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+  alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in watched]
+  before = llm.engine.stats()
+  batch = llm.generate(watched + fillers, params)
+  after = llm.engine.stats()
+  # 59 usable pages (944 tokens) for 16 running sequences of up to ~240: preemption happens.
+  assert after.num_preemptions > before.num_preemptions
+  assert after.prefix_hit_rate > 0
+  assert [o.outputs[0].token_ids for o in batch[:len(watched)]] == alone
