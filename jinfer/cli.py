@@ -87,6 +87,35 @@ def cmd_bench(args):
       fh.write(text + "\n")
 
 
+def cmd_serve(args):
+  from jinfer.engine.engine_config import EngineConfig
+  from jinfer.serving.server import serve
+  config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens)
+  serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
+        served_model_name=args.served_model_name, config=config, max_waiting=args.max_waiting,
+        shutdown_timeout=args.shutdown_timeout)
+
+
+def cmd_bench_serve(args):
+  import json
+  import math
+
+  from jinfer.serving.load_generator import LoadConfig, parse_goodput, run_load
+  cfg = LoadConfig(url=args.url, model=args.model, num_requests=args.num_requests,
+                   max_concurrency=args.max_concurrency,
+                   request_rate=math.inf if args.request_rate is None else args.request_rate,
+                   input_len=tuple(args.input_len), output_len=args.output_len,
+                   vocab_size=args.vocab_size, temperature=args.temperature,
+                   max_duration=args.max_duration, seed=args.seed,
+                   goodput=parse_goodput(args.goodput), api_key=args.api_key)
+  result = json.dumps(run_load(cfg), indent=2)
+  print(result)
+  if args.output:
+    with open(args.output, "w") as fh:
+      fh.write(result + "\n")
+
+
 def main(argv: list[str] | None = None):
   ap = argparse.ArgumentParser(prog="jinfer", description="JAX/Pallas LLM inference")
   sub = ap.add_subparsers(dest="command", required=True)
@@ -127,6 +156,44 @@ def main(argv: list[str] | None = None):
   p.add_argument("--seed", type=int, default=0, help="numpy seed of the prompts")
   p.add_argument("--out", default=None, help="also write the JSON to this file")
   p.set_defaults(fn=cmd_bench)
+
+  p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)")
+  p.add_argument("--model", default=DEFAULT_MODEL,
+                 help="built-in name, HF model directory or .gguf file")
+  p.add_argument("--host", default="127.0.0.1")
+  p.add_argument("--port", type=int, default=8000)
+  p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+  p.add_argument("--served-model-name", default=None, help="the model's name in the API")
+  p.add_argument("--max-model-len", type=int, default=2048)
+  p.add_argument("--max-num-seqs", type=int, default=64)
+  p.add_argument("--max-num-batched-tokens", type=int, default=512)
+  p.add_argument("--max-waiting", type=int, default=256,
+                 help="sequences waiting to be scheduled beyond which requests get 429")
+  p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                 help="seconds in-flight requests may run on after SIGTERM before being aborted")
+  p.set_defaults(fn=cmd_serve)
+
+  p = sub.add_parser("bench-serve", help="load a local server with random prompts; JSON figures")
+  p.add_argument("--url", default="http://127.0.0.1:8000", help="a loopback address only")
+  p.add_argument("--model", default=None, help="default: the first model the server lists")
+  p.add_argument("--num-requests", type=int, default=32)
+  p.add_argument("--max-concurrency", type=int, default=None)
+  p.add_argument("--request-rate", type=float, default=None,
+                 help="Poisson arrivals per second (default: all at once)")
+  p.add_argument("--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX"),
+                 help="prompt tokens, drawn uniformly")
+  p.add_argument("--output-len", type=int, default=64)
+  p.add_argument("--vocab-size", type=int, default=10_000,
+                 help="prompt token ids are drawn below this")
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--max-duration", type=float, default=600.0,
+                 help="seconds; requests still running then are cut")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--goodput", nargs="*", default=[], metavar="METRIC:MS",
+                 help="SLOs for goodput, e.g. ttft:500 tpot:100 e2el:5000")
+  p.add_argument("--api-key", default=None)
+  p.add_argument("--output", default=None, help="also write the JSON here")
+  p.set_defaults(fn=cmd_bench_serve)
 
   args = ap.parse_args(argv)
   try:

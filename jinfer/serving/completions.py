@@ -1,0 +1,266 @@
+"""OpenAI completions and chat completions over the AsyncLLMEngine: requests become engine
+requests, engine outputs become OpenAI responses or server-sent event streams."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+import jinja2
+
+from jinfer.engine.async_engine import (AsyncLLMEngine, EngineDeadError, RequestAbortedError,
+                                        RequestFailedError, RequestStream)
+from jinfer.engine.request import CompletionOutput, RequestOutput
+from jinfer.sampling_params import SamplingParams
+from jinfer.serving.metrics import ServerMetrics
+from jinfer.serving.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
+                                     ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+                                     ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
+                                     CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                     DeltaMessage, ErrorInfo, ErrorResponse, PromptTokensDetails,
+                                     TopLogprob, Usage)
+
+_MIN_LOGPROB = -9999.0  # what OpenAI reports for tokens sampling could never pick (-inf)
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj) -> str:
+  return f"data: {obj.model_dump_json()}\n\n"
+
+
+def _finish(c: CompletionOutput) -> str | None:
+  # "abort" and "error" never reach a response: those end the stream with an error instead.
+  return c.finish_reason if c.finish_reason in ("stop", "length") else None
+
+
+def _usage(finals: list[RequestOutput]) -> Usage:
+  prompt = sum(len(o.prompt_token_ids) for o in finals)
+  completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+  return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+               prompt_tokens_details=PromptTokensDetails(
+                   cached_tokens=sum(o.num_cached_tokens for o in finals)))
+
+
+def stream_error(e: BaseException) -> ErrorResponse:
+  """The error that ends a stream whose response has already begun."""
+  if isinstance(e, (RequestAbortedError, EngineDeadError)):
+    return ErrorResponse(error=ErrorInfo(message=str(e), type="server_error",
+                                         code="request_aborted"))
+  return ErrorResponse(error=ErrorInfo(message=str(e) or repr(e), type="server_error",
+                                       code="internal_error"))
+
+
+class OpenAIServing:
+
+  def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics):
+    self.engine, self.model_name, self.metrics = engine, model_name, metrics
+    self.tokenizer = engine.engine.tokenizer
+    self._token_text: dict[int, str] = {}
+
+  # -- turning requests into engine requests ----------------------------------------------
+  def submit_completion(self, req: CompletionRequest, request_id: str) -> list[RequestStream]:
+    """Queue one engine request per prompt, all validated before any is queued."""
+    params = req.sampling_params()
+    prompts = [self.engine.engine.tokenize(p) for p in req.prompts()]
+    for i, ids in enumerate(prompts):
+      try:
+        self.engine.engine.validate(ids, params)
+      except ValueError as e:
+        raise ValueError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
+    return self._submit(prompts, params, request_id)
+
+  def submit_chat(self, req: ChatCompletionRequest, request_id: str) -> list[RequestStream]:
+    params = req.sampling_params()
+    try:
+      text = self.tokenizer.apply_chat_template([m.for_template() for m in req.messages],
+                                                add_generation_prompt=True,
+                                                **(req.chat_template_kwargs or {}))
+    except jinja2.TemplateError as e:
+      raise ValueError(f"the chat template rejected the messages: {e}") from None
+    return self._submit([self.tokenizer.encode(text, add_special_tokens=False)], params,
+                        request_id)
+
+  def _submit(self, prompts: list[list[int]], params: SamplingParams,
+              request_id: str) -> list[RequestStream]:
+    streams: list[RequestStream] = []
+    try:
+      for i, ids in enumerate(prompts):
+        streams.append(self.engine.generate(ids, params, f"{request_id}-{i}"))
+    except BaseException:  # e.g. the queue filled up halfway: take back what went in
+      for s in streams:
+        s.close()
+      raise
+    return streams
+
+  async def _merge(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every stream as they come. Leaving early aborts the rest."""
+    tasks: dict[asyncio.Future, int] = {}
+
+    def next_of(i: int):
+      tasks[asyncio.ensure_future(anext(streams[i]))] = i
+
+    failed = False
+    try:
+      for i in range(len(streams)):
+        next_of(i)
+      while tasks:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+          i = tasks.pop(t)
+          try:
+            out = t.result()
+          except StopAsyncIteration:
+            continue
+          except RequestFailedError:
+            failed = True
+            raise
+          if out.finished:
+            self.metrics.observe_finished(out)
+          else:
+            next_of(i)
+          yield i, out
+    finally:
+      for t in tasks:
+        t.cancel()
+      for s in streams:
+        if not s.done or failed:
+          self.metrics.observe_unfinished("error" if failed else "abort")
+        s.close()
+
+  # -- logprobs -----------------------------------------------------------------------------
+  def _text(self, token_id: int) -> str:
+    text = self._token_text.get(token_id)
+    if text is None:
+      text = self._token_text[token_id] = self.tokenizer.decode([token_id],
+                                                                skip_special_tokens=False)
+    return text
+
+  def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]],
+                           offset: int) -> CompletionLogprobs:
+    """`offset`: where the first token starts in the choice's text."""
+    out = CompletionLogprobs()
+    for tid, entry in zip(token_ids, logprobs):
+      text = self._text(tid)
+      out.tokens.append(text)
+      out.token_logprobs.append(max(entry[tid], _MIN_LOGPROB))
+      # The sampled token first, then the top ones: up to logprobs + 1 entries, as OpenAI says.
+      out.top_logprobs.append({self._text(t): max(lp, _MIN_LOGPROB) for t, lp in entry.items()})
+      out.text_offset.append(offset)
+      offset += len(text)
+    return out
+
+  def _top(self, token_id: int, logprob: float) -> TopLogprob:
+    # A token that ends inside a UTF-8 character decodes to U+FFFD: its bytes are those of U+FFFD.
+    text = self._text(token_id)
+    return TopLogprob(token=text, logprob=max(logprob, _MIN_LOGPROB),
+                      bytes=list(text.encode("utf-8")))
+
+  def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]],
+                     top_n: int) -> ChatLogprobs:
+    content = []
+    for tid, entry in zip(token_ids, logprobs):
+      tops = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+      content.append(ChatTokenLogprob(**self._top(tid, entry[tid]).model_dump(),
+                                      top_logprobs=[self._top(t, lp) for t, lp in tops]))
+    return ChatLogprobs(content=content)
+
+  # -- completions --------------------------------------------------------------------------
+  async def completion(self, req: CompletionRequest, streams: list[RequestStream],
+                       request_id: str) -> CompletionResponse:
+    created = int(time.time())
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in self._merge(streams):
+      if out.finished:
+        finals[i] = out
+    choices = []
+    for i, out in enumerate(finals):
+      for c in out.outputs:
+        choices.append(CompletionChoice(
+            index=i * req.n + c.index, text=c.text, finish_reason=_finish(c),
+            stop_reason=c.stop_reason,
+            logprobs=None if req.logprobs is None
+            else self._completion_logprobs(c.token_ids, c.logprobs, 0)))
+    return CompletionResponse(id=request_id, created=created, model=self.model_name,
+                              choices=choices, usage=_usage(finals))
+
+  async def completion_stream(self, req: CompletionRequest, streams: list[RequestStream],
+                              request_id: str) -> AsyncIterator[str]:
+    created = int(time.time())
+    offsets: dict[int, int] = {}  # choice -> text offset of its next token
+    closed: set[int] = set()  # choices whose finish was sent
+    finals: list[RequestOutput] = []
+    try:
+      async for i, out in self._merge(streams):
+        if out.finished:
+          finals.append(out)
+        for c in out.outputs:
+          idx, finish = i * req.n + c.index, _finish(c)
+          if idx in closed or not (c.delta_text or c.delta_token_ids or finish):
+            continue
+          if finish:
+            closed.add(idx)
+          logprobs = None
+          if req.logprobs is not None:
+            logprobs = self._completion_logprobs(c.delta_token_ids, c.delta_logprobs,
+                                                 offsets.get(idx, 0))
+            offsets[idx] = offsets.get(idx, 0) + sum(map(len, logprobs.tokens))
+          yield sse(CompletionResponse(
+              id=request_id, created=created, model=self.model_name,
+              choices=[CompletionChoice(index=idx, text=c.delta_text, logprobs=logprobs,
+                                        finish_reason=finish, stop_reason=c.stop_reason)]))
+      if req.include_usage:
+        yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                     choices=[], usage=_usage(finals)))
+    except (RequestFailedError, RequestAbortedError, EngineDeadError) as e:
+      yield sse(stream_error(e))
+    yield DONE
+
+  # -- chat ---------------------------------------------------------------------------------
+  async def chat(self, req: ChatCompletionRequest, streams: list[RequestStream],
+                 request_id: str) -> ChatCompletionResponse:
+    created = int(time.time())
+    final = None
+    async for _, out in self._merge(streams):
+      final = out
+    choices = [ChatChoice(
+        index=c.index, message=AssistantMessage(content=c.text), finish_reason=_finish(c),
+        stop_reason=c.stop_reason,
+        logprobs=self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+        if req.logprobs else None) for c in final.outputs]
+    return ChatCompletionResponse(id=request_id, created=created, model=self.model_name,
+                                  choices=choices, usage=_usage([final]))
+
+  async def chat_stream(self, req: ChatCompletionRequest, streams: list[RequestStream],
+                        request_id: str) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+      return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+                                     choices=choices, usage=usage))
+
+    try:
+      # Each choice opens with the role, before any token exists (as OpenAI's stream does).
+      for k in range(req.n):
+        yield chunk([ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=""))])
+      final = None
+      closed: set[int] = set()  # choices whose finish was sent
+      async for _, out in self._merge(streams):
+        final = out
+        for c in out.outputs:
+          finish = _finish(c)
+          # A token that completes no character yet still carries its logprobs.
+          if c.index in closed or not (c.delta_text or finish
+                                       or (req.logprobs and c.delta_token_ids)):
+            continue
+          if finish:
+            closed.add(c.index)
+          yield chunk([ChatStreamChoice(
+              index=c.index, delta=DeltaMessage(content=c.delta_text or None),
+              finish_reason=finish, stop_reason=c.stop_reason,
+              logprobs=self._chat_logprobs(c.delta_token_ids, c.delta_logprobs,
+                                           req.top_logprobs or 0) if req.logprobs else None)])
+      if req.include_usage:
+        yield chunk([], _usage([final]))
+    except (RequestFailedError, RequestAbortedError, EngineDeadError) as e:
+      yield sse(stream_error(e))
+    yield DONE

@@ -1,0 +1,282 @@
+"""The OpenAI API schema: request bodies (validated strictly) and the responses jinfer sends.
+
+Requests are validated from the raw JSON in strict mode, so `"max_tokens": "5"` or
+`"temperature": true` is an error, as it is for OpenAI's own API. Unknown fields are ignored.
+Features that would change what a request means and that jinfer does not implement (tools,
+JSON mode, logit_bias, echo, suffix, best_of) are refused rather than silently dropped.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from jinfer.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class _Request(BaseModel):
+  model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Request):
+  include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+  """Fields the two endpoints share, OpenAI's and vLLM's extensions."""
+  model: str
+  n: int = 1
+  temperature: float | None = None  # OpenAI's default is 1
+  top_p: float | None = None
+  stop: str | list[str] | None = None
+  seed: int | None = None
+  presence_penalty: float | None = None
+  frequency_penalty: float | None = None
+  stream: bool = False
+  stream_options: StreamOptions | None = None
+  user: str | None = None
+  logit_bias: dict[str, float] | None = None
+  # vLLM's extensions
+  top_k: int | None = None
+  min_p: float | None = None
+  repetition_penalty: float | None = None
+  ignore_eos: bool = False
+  min_tokens: int = 0
+  stop_token_ids: list[int] | None = None
+  include_stop_str_in_output: bool = False
+  skip_special_tokens: bool = True
+
+  def _check_common(self):
+    if self.stream_options is not None and not self.stream:
+      raise ValueError("stream_options is only allowed when stream is true")
+    if self.logit_bias:
+      raise ValueError("logit_bias is not supported")
+
+  def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    # SamplingParams checks every range; its messages name the field.
+    return SamplingParams(
+        n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+        top_p=1.0 if self.top_p is None else self.top_p,
+        top_k=-1 if self.top_k is None else self.top_k,
+        min_p=self.min_p or 0.0,
+        repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+        presence_penalty=self.presence_penalty or 0.0,
+        frequency_penalty=self.frequency_penalty or 0.0, seed=self.seed, max_tokens=max_tokens,
+        min_tokens=self.min_tokens, stop=self.stop or (),
+        stop_token_ids=tuple(self.stop_token_ids or ()),
+        include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+        logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+
+  @property
+  def include_usage(self) -> bool:
+    return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+  prompt: str | list[str] | list[int] | list[list[int]]
+  max_tokens: int | None = 16
+  logprobs: int | None = None
+  echo: bool = False
+  best_of: int | None = None
+  suffix: str | None = None
+
+  def prompts(self) -> list[str | list[int]]:
+    p = self.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+      return [p]
+    if not p:
+      raise ValueError("prompt is empty")
+    return list(p)
+
+  def sampling_params(self) -> SamplingParams:
+    self._check_common()
+    if self.echo:
+      raise ValueError("echo is not supported")
+    if self.suffix:
+      raise ValueError("suffix is not supported")
+    if self.best_of is not None and self.best_of != self.n:
+      raise ValueError("best_of is not supported (only best_of == n)")
+    return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class TextPart(_Request):
+  type: Literal["text"]
+  text: str
+
+
+class ChatMessage(_Request):
+  role: Literal["system", "developer", "user", "assistant", "tool"]
+  content: str | list[TextPart] | None = None
+  name: str | None = None
+
+  def for_template(self) -> dict[str, Any]:
+    content = self.content
+    if isinstance(content, list):
+      content = "".join(p.text for p in content)
+    # Chat templates predate the "developer" role; it is OpenAI's new name for "system".
+    role = "system" if self.role == "developer" else self.role
+    return {"role": role, "content": content or "", "name": self.name}
+
+
+class ResponseFormat(_Request):
+  type: str
+
+
+class ChatCompletionRequest(_SamplingRequest):
+  messages: list[ChatMessage] = Field(min_length=1)
+  max_tokens: int | None = None  # None: up to the context limit
+  max_completion_tokens: int | None = None
+  logprobs: bool = False
+  top_logprobs: int | None = None
+  tools: list[Any] | None = None
+  response_format: ResponseFormat | None = None
+  chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension
+
+  def sampling_params(self) -> SamplingParams:
+    self._check_common()
+    if self.tools:
+      raise ValueError("tools are not supported")
+    if self.response_format is not None and self.response_format.type != "text":
+      raise ValueError(f"response_format {self.response_format.type!r} is not supported")
+    if self.top_logprobs is not None:
+      if not self.logprobs:
+        raise ValueError("top_logprobs requires logprobs to be true")
+      if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+    max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
+        else self.max_tokens
+    return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+# -- responses ------------------------------------------------------------------------------
+class _Response(BaseModel):
+  # -inf logprobs become -9999.0 where they are made; nothing else can be non-finite.
+  model_config = ConfigDict(ser_json_inf_nan="null")
+
+
+class ErrorInfo(_Response):
+  message: str
+  type: str
+  param: str | None = None
+  code: str | int | None = None
+
+
+class ErrorResponse(_Response):
+  error: ErrorInfo
+
+
+class PromptTokensDetails(_Response):
+  cached_tokens: int
+
+
+class Usage(_Response):
+  prompt_tokens: int
+  completion_tokens: int
+  total_tokens: int
+  prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ModelCard(_Response):
+  id: str
+  object: Literal["model"] = "model"
+  created: int
+  owned_by: str = "jinfer"
+  max_model_len: int
+
+
+class ModelList(_Response):
+  object: Literal["list"] = "list"
+  data: list[ModelCard]
+
+
+class CompletionLogprobs(_Response):
+  """The legacy completions shape: parallel lists, top tokens as {token: logprob}."""
+  tokens: list[str] = []
+  token_logprobs: list[float] = []
+  top_logprobs: list[dict[str, float]] = []
+  text_offset: list[int] = []
+
+
+class CompletionChoice(_Response):
+  index: int
+  text: str
+  logprobs: CompletionLogprobs | None = None
+  finish_reason: Literal["stop", "length"] | None = None
+  stop_reason: int | str | None = None  # vLLM's extension: the stop string or token that hit
+
+
+class CompletionResponse(_Response):
+  id: str
+  object: Literal["text_completion"] = "text_completion"
+  created: int
+  model: str
+  choices: list[CompletionChoice]
+  usage: Usage | None = None
+  system_fingerprint: str | None = None
+
+
+class TopLogprob(_Response):
+  token: str
+  logprob: float
+  bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+  top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+  content: list[ChatTokenLogprob] | None
+  refusal: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(_Response):
+  role: Literal["assistant"] = "assistant"
+  content: str
+  refusal: str | None = None
+
+
+class ChatChoice(_Response):
+  index: int
+  message: AssistantMessage
+  logprobs: ChatLogprobs | None = None
+  finish_reason: Literal["stop", "length"] | None = None
+  stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+  id: str
+  object: Literal["chat.completion"] = "chat.completion"
+  created: int
+  model: str
+  choices: list[ChatChoice]
+  usage: Usage
+  system_fingerprint: str | None = None
+
+
+class DeltaMessage(_Response):
+  role: Literal["assistant"] | None = None
+  content: str | None = None
+
+  @model_serializer(mode="wrap")
+  def _drop_unset(self, handler):
+    # A delta carries only what changed: the last chunk of a choice has `"delta": {}`.
+    return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(_Response):
+  index: int
+  delta: DeltaMessage
+  logprobs: ChatLogprobs | None = None
+  finish_reason: Literal["stop", "length"] | None = None
+  stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+  id: str
+  object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+  created: int
+  model: str
+  choices: list[ChatStreamChoice]
+  usage: Usage | None = None
+  system_fingerprint: str | None = None
