@@ -27,8 +27,10 @@ class PagedBatch:
     self.lens = np.zeros(num_seqs, np.int32)
     self._fwd = jax.jit(model.apply)
 
-  def step(self, chunks: list[list[int]], pad_to: int | None = None) -> np.ndarray:
-    """Append `chunks[s]` to sequence s; return logits of each sequence's last new token [S, V]."""
+  def step(self, chunks: list[list[int]], pad_to: int | None = None,
+           all_rows: bool = False) -> np.ndarray:
+    """Append `chunks[s]` to sequence s; return logits of each sequence's last new token [S, V]
+    (or of every new token, [T, V], with `all_rows`)."""
     ids, pos, slots, cu = [], [], [], [0]
     for s, chunk in enumerate(chunks):
       for j, tok in enumerate(chunk):
@@ -45,7 +47,7 @@ class PagedBatch:
         slot_mapping=jnp.asarray(slots, jnp.int32), block_table=jnp.asarray(self.block_table),
         kv_lens=jnp.asarray(self.lens), cu_q_lens=jnp.asarray(cu, jnp.int32),
         num_seqs=jnp.asarray([len(chunks)], jnp.int32), max_q_len=max(map(len, chunks)))
-    logits_idx = jnp.asarray(np.array(cu[1:]) - 1, jnp.int32)
+    logits_idx = jnp.arange(t) if all_rows else jnp.asarray(np.array(cu[1:]) - 1, jnp.int32)
     logits, self.caches = self._fwd({"params": self.params}, jnp.asarray(ids, jnp.int32),
                                     jnp.asarray(pos, jnp.int32), self.caches, md, logits_idx)
     return np.asarray(logits)

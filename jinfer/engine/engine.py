@@ -17,6 +17,8 @@ from jinfer.engine.request import (CompletionOutput, RequestMetrics, RequestOutp
 from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
 from jinfer.engine.step_input import MAX_BANNED, Buckets, build_step_input
+from jinfer.models.kernel_options import KernelOptions
+from jinfer.quant.int8 import quantize_params
 from jinfer.sample import SampleOutput
 from jinfer.sampling_params import SamplingParams
 from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -50,6 +52,8 @@ class EngineStats:
   prompt_tokens: int  # computed (not cached) prompt tokens so far
   generation_tokens: int
   num_steps: int
+  weight_bytes: int
+  kv_cache_bytes: int
 
 
 class LLMEngine:
@@ -78,8 +82,12 @@ class LLMEngine:
     spec = KVCacheSpec(num_layers=model_config.num_layers, num_pages=num_pages,
                        page_size=config.page_size, num_kv_heads=model_config.num_kv_heads,
                        head_dim=model_config.head_dim, dtype=dtype)
-    self.runner = ModelRunner(model_config, params, spec, self.buckets,
-                              attention_backend=config.attention_backend or default_backend(),
+    kernels = KernelOptions(attention=config.attention_backend or default_backend(),
+                            matmul=config.matmul_backend or default_backend(),
+                            interpret=config.interpret, quantization=config.quantization)
+    if config.quantization:
+      params = quantize_params(params)
+    self.runner = ModelRunner(model_config, params, spec, self.buckets, kernels=kernels,
                               dtype=dtype)
     self.groups: dict[str, _Group] = {}
     self._seed_rng = np.random.default_rng(config.seed)
@@ -279,4 +287,5 @@ class LLMEngine:
         kv_pages_used=1.0 - b.num_free_pages / b.num_usable_pages,
         prefix_hit_rate=b.prefix_hits / b.prefix_queries if b.prefix_queries else 0.0,
         num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self.prompt_tokens,
-        generation_tokens=self.generation_tokens, num_steps=self.num_steps)
+        generation_tokens=self.generation_tokens, num_steps=self.num_steps,
+        weight_bytes=self.runner.weight_bytes, kv_cache_bytes=self.runner.kv_cache_bytes)

@@ -14,8 +14,10 @@ class EngineConfig:
   max_prefill_seqs: int = 2  # sequences prefilling in one step (their queries pad to the budget)
   enable_prefix_caching: bool = True
   continuous_batching: bool = True  # False: static batches (a baseline for benchmarks)
-  attention_backend: str | None = None  # None: by platform (reference on CPU)
+  attention_backend: str | None = None  # None: by platform (reference on CPU, Pallas elsewhere)
+  matmul_backend: str | None = None  # int8 matmul, likewise
   interpret: bool = False  # run Pallas kernels in interpret mode (CPU testing)
+  quantization: str | None = None  # None, "int8" (W8A16) or "w8a8"; applied at load time
   seed: int = 0  # seeds requests that bring none
 
   def __post_init__(self):

@@ -10,6 +10,8 @@ import numpy as np
 from jinfer.config import ModelConfig
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
 from jinfer.models import CausalLM
+from jinfer.models.kernel_options import KernelOptions
+from jinfer.quant.int8 import param_bytes
 from jinfer.sample import SampleOutput, sample
 from pallas_kernels import KVCacheSpec
 
@@ -23,9 +25,9 @@ def _step(model: CausalLM, params, kv_caches, inp: StepInput):
 class ModelRunner:
 
   def __init__(self, config: ModelConfig, params: dict, spec: KVCacheSpec, buckets: Buckets, *,
-               attention_backend: str, dtype):
+               kernels: KernelOptions, dtype):
     self.config, self.params, self.spec, self.buckets = config, params, spec, buckets
-    self.model = CausalLM(config, attention_backend=attention_backend, dtype=dtype)
+    self.model = CausalLM(config, kernels, dtype=dtype)
     self.kv_caches = spec.allocate()
     # The cache is donated: XLA updates it in place instead of copying it every step.
     self._step = jax.jit(functools.partial(_step, self.model), donate_argnums=(1,))
@@ -43,7 +45,7 @@ class ModelRunner:
 
   @property
   def weight_bytes(self) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.params))
+    return param_bytes(self.params)
 
   @property
   def kv_cache_bytes(self) -> int:

@@ -12,10 +12,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jinfer.config import ModelConfig
 from jinfer.models.attention_metadata import AttentionMetadata
-from pallas_kernels import ragged_paged_attention, write_kv
+from jinfer.models.kernel_options import KernelOptions
+from pallas_kernels import int8_matmul, ragged_paged_attention, write_kv
 
 _init = nn.initializers.normal(0.02)
 
@@ -26,19 +28,36 @@ def _param(mod: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, .
 
 
 class Linear(nn.Module):
-  """y = x @ kernel over the leading `in_axes` of the kernel. The one place weights multiply."""
+  """y = x @ kernel over the leading `n_in` kernel axes. The one place weights multiply.
+
+  Quantized, the kernel is int8 with a float scale per output channel and the product goes
+  through the int8 matmul kernel.
+  """
   shape: tuple[int, ...]
   axes: tuple[str, ...]
+  kernels: KernelOptions
   n_in: int = 1  # how many leading kernel axes contract with x's trailing axes
   use_bias: bool = False
   dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    w = _param(self, "kernel", self.shape, self.axes, self.dtype)
-    y = jnp.tensordot(x, w.astype(x.dtype), axes=self.n_in)
+    out_shape = self.shape[self.n_in:]
+    if self.kernels.quantization:
+      w = _param(self, "kernel", self.shape, self.axes, jnp.int8, nn.initializers.zeros)
+      scale = _param(self, "scale", out_shape, self.axes[self.n_in:], jnp.float32,
+                     nn.initializers.ones)
+      k, n = int(np.prod(self.shape[:self.n_in])), int(np.prod(out_shape))
+      lead = x.shape[:x.ndim - self.n_in]
+      interpret = self.kernels.interpret and self.kernels.matmul != "reference"
+      y = int8_matmul(x.reshape(-1, k), w.reshape(k, n), scale.reshape(n),
+                      mode=self.kernels.matmul_mode, backend=self.kernels.matmul,
+                      interpret=interpret).reshape(lead + out_shape)
+    else:
+      w = _param(self, "kernel", self.shape, self.axes, self.dtype)
+      y = jnp.tensordot(x, w.astype(x.dtype), axes=self.n_in)
     if self.use_bias:
-      y = y + _param(self, "bias", self.shape[self.n_in:], self.axes[self.n_in:], self.dtype,
+      y = y + _param(self, "bias", out_shape, self.axes[self.n_in:], self.dtype,
                      nn.initializers.zeros).astype(y.dtype)
     return y
 
@@ -66,18 +85,18 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class Attention(nn.Module):
   config: ModelConfig
   layer_idx: int
-  attention_backend: str
+  kernels: KernelOptions
   dtype: Any
 
   @nn.compact
   def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata):
-    c = self.config
+    c, kn = self.config, self.kernels
     e, hq, hkv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    q = Linear((e, hq, d), ("embed", "q_heads", "head_dim"), use_bias=c.attention_bias,
+    q = Linear((e, hq, d), ("embed", "q_heads", "head_dim"), kn, use_bias=c.attention_bias,
                dtype=self.dtype, name="q_proj")(x)  # [T, Hq, D]
-    k = Linear((e, hkv, d), ("embed", "kv_heads", "head_dim"), use_bias=c.attention_bias,
+    k = Linear((e, hkv, d), ("embed", "kv_heads", "head_dim"), kn, use_bias=c.attention_bias,
                dtype=self.dtype, name="k_proj")(x)  # [T, Hkv, D]
-    v = Linear((e, hkv, d), ("embed", "kv_heads", "head_dim"), use_bias=c.attention_bias,
+    v = Linear((e, hkv, d), ("embed", "kv_heads", "head_dim"), kn, use_bias=c.attention_bias,
                dtype=self.dtype, name="v_proj")(x)  # [T, Hkv, D]
     if c.qk_norm:
       q = RMSNorm(d, c.rms_norm_eps, self.dtype, name="q_norm")(q)
@@ -87,46 +106,48 @@ class Attention(nn.Module):
     o = ragged_paged_attention(
         q, kv_cache, md.kv_lens, md.block_table, md.cu_q_lens, md.num_seqs,
         sm_scale=d ** -0.5, sliding_window=c.sliding_windows[self.layer_idx],
-        max_q_len=md.max_q_len, max_prefill_seqs=md.max_prefill_seqs,
-        backend=self.attention_backend)  # [T, Hq, D]
-    out = Linear((hq, d, e), ("q_heads", "head_dim", "embed"), n_in=2, dtype=self.dtype,
+        max_q_len=md.max_q_len, max_prefill_seqs=md.max_prefill_seqs, backend=kn.attention,
+        **({"interpret": True} if kn.interpret and kn.attention != "reference" else {}))
+    out = Linear((hq, d, e), ("q_heads", "head_dim", "embed"), kn, n_in=2, dtype=self.dtype,
                  name="o_proj")(o)  # [T, E]
     return out, kv_cache
 
 
 class MLP(nn.Module):
   config: ModelConfig
+  kernels: KernelOptions
   dtype: Any
 
   @nn.compact
   def __call__(self, x):
-    e, f = self.config.hidden_size, self.config.intermediate_size
-    gate = Linear((e, f), ("embed", "mlp"), dtype=self.dtype, name="gate_proj")(x)
-    up = Linear((e, f), ("embed", "mlp"), dtype=self.dtype, name="up_proj")(x)
-    return Linear((f, e), ("mlp", "embed"), dtype=self.dtype, name="down_proj")(nn.silu(gate) * up)
+    e, f, kn = self.config.hidden_size, self.config.intermediate_size, self.kernels
+    gate = Linear((e, f), ("embed", "mlp"), kn, dtype=self.dtype, name="gate_proj")(x)
+    up = Linear((e, f), ("embed", "mlp"), kn, dtype=self.dtype, name="up_proj")(x)
+    return Linear((f, e), ("mlp", "embed"), kn, dtype=self.dtype,
+                  name="down_proj")(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
   config: ModelConfig
   layer_idx: int
-  attention_backend: str
+  kernels: KernelOptions
   dtype: Any
 
   @nn.compact
   def __call__(self, x, cos, sin, kv_cache, md):
     c = self.config
-    h, kv_cache = Attention(c, self.layer_idx, self.attention_backend, self.dtype, name="attn")(
+    h, kv_cache = Attention(c, self.layer_idx, self.kernels, self.dtype, name="attn")(
         RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="input_norm")(x), cos, sin,
         kv_cache, md)
     x = x + h
-    x = x + MLP(c, self.dtype, name="mlp")(
+    x = x + MLP(c, self.kernels, self.dtype, name="mlp")(
         RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="post_attn_norm")(x))
     return x, kv_cache
 
 
 class CausalLM(nn.Module):
   config: ModelConfig
-  attention_backend: str = "reference"
+  kernels: KernelOptions = KernelOptions()
   dtype: Any = jnp.float32
 
   @nn.compact
@@ -148,7 +169,7 @@ class CausalLM(nn.Module):
     cos, sin = jnp.cos(emb).astype(self.dtype), jnp.sin(emb).astype(self.dtype)
     new_caches = []
     for i in range(c.num_layers):
-      x, cache = DecoderLayer(c, i, self.attention_backend, self.dtype, name=f"layers_{i}")(
+      x, cache = DecoderLayer(c, i, self.kernels, self.dtype, name=f"layers_{i}")(
           x, cos, sin, kv_caches[i], md)
       new_caches.append(cache)
     x = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="norm")(x)
@@ -157,18 +178,18 @@ class CausalLM(nn.Module):
     if c.tie_word_embeddings:
       logits = x @ embed.T.astype(x.dtype)
     else:
-      logits = Linear((c.hidden_size, c.vocab_size), ("embed", "vocab"), dtype=self.dtype,
-                      name="lm_head")(x)
+      logits = Linear((c.hidden_size, c.vocab_size), ("embed", "vocab"), self.kernels,
+                      dtype=self.dtype, name="lm_head")(x)
     return logits.astype(jnp.float32), new_caches
 
 
-def _abstract_params(config: ModelConfig, dtype) -> dict:
+def _abstract_params(config: ModelConfig, dtype, kernels: KernelOptions = KernelOptions()) -> dict:
   """Params as boxed ShapeDtypeStructs, traced from init without allocating anything."""
   t = jnp.zeros((1,), jnp.int32)
   md = AttentionMetadata(slot_mapping=t, block_table=jnp.zeros((1, 1), jnp.int32), kv_lens=t + 1,
                          cu_q_lens=jnp.array([0, 1], jnp.int32), num_seqs=t + 1)
   cache = [jnp.zeros((1, 2, config.num_kv_heads, 1, config.head_dim))] * config.num_layers
-  return jax.eval_shape(CausalLM(config, dtype=dtype).init, jax.random.key(0), t, t, cache,
+  return jax.eval_shape(CausalLM(config, kernels, dtype=dtype).init, jax.random.key(0), t, t, cache,
                         md)["params"]
 
 

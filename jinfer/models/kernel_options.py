@@ -1,0 +1,25 @@
+"""Which kernels the model's attention and linear layers run, and how weights are stored."""
+from __future__ import annotations
+
+import dataclasses
+
+QUANTIZATIONS = (None, "int8", "w8a8")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelOptions:
+  attention: str = "reference"  # ragged_paged_attention backend
+  matmul: str = "reference"  # int8_matmul backend (used only when quantized)
+  interpret: bool = False  # Pallas kernels in interpret mode (CPU testing)
+  # None: float weights. "int8": int8 weights with per-output-channel scales, float activations
+  # (W8A16). "w8a8": activations quantized per token too, int32 accumulation.
+  quantization: str | None = None
+
+  def __post_init__(self):
+    if self.quantization not in QUANTIZATIONS:
+      raise ValueError(f"unknown quantization {self.quantization!r}; choose one of "
+                       f"{', '.join(str(q) for q in QUANTIZATIONS)}")
+
+  @property
+  def matmul_mode(self) -> str:
+    return "w8a8" if self.quantization == "w8a8" else "w8a16"

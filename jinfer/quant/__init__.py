@@ -1,0 +1,1 @@
+"""Weight quantization applied to loaded params."""
