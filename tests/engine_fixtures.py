@@ -45,5 +45,5 @@ class CompileCounter:
       self.count += 1
 
 
-def make_engine(loaded, **options) -> LLMEngine:
-  return LLMEngine(config=EngineConfig(**options), _loaded=loaded)
+def make_engine(loaded, warmup: bool = True, **options) -> LLMEngine:
+  return LLMEngine(config=EngineConfig(**options), _loaded=loaded, warmup=warmup)

@@ -8,6 +8,7 @@ import pytest
 
 from jinfer.sampling_params import SamplingParams
 from tests.engine_fixtures import CompileCounter, make_engine, tiny_loaded
+from tests.paged_batch import PagedBatch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -197,3 +198,26 @@ def test_duplicate_request_id_rejected(engine):
 def test_invalid_sampling_params(kwargs):
   with pytest.raises(ValueError):
     SamplingParams(**kwargs)
+
+
+def test_prompt_logprobs_match_the_model(loaded):
+  eng = make_engine(loaded, max_model_len=256, page_size=8, max_num_seqs=4,
+                    max_num_batched_tokens=16, enable_prompt_logprobs=True)
+  counter = CompileCounter()
+  prompt = _prompts(1, seed=14, lo=40, hi=41)[0]  # 40 tokens: three chunks of at most 16
+  rid = eng.add_request(None, prompt, SamplingParams(max_tokens=2, prompt_logprobs=3))
+  other = eng.add_request(None, prompt[:20], SamplingParams(max_tokens=3))  # rides along
+  final = eng.run_to_completion([rid, other])
+  assert counter.count == 0, "the prompt-logprobs variant is warmed up too"
+  plp = final[rid].prompt_logprobs
+  assert final[other].prompt_logprobs is None
+  assert len(plp) == len(prompt) and plp[0] is None
+  # Reference: the model's own logits over the whole prompt in one pass.
+  logits = PagedBatch(eng.runner.model, eng.runner.params, 1, 8, 64).step([prompt], all_rows=True)
+  lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  for p in range(1, len(prompt)):
+    assert len(plp[p]) in (3, 4) and prompt[p] in plp[p]
+    assert plp[p][prompt[p]] == pytest.approx(logits[p - 1, prompt[p]] - lse[p - 1], abs=1e-4)
+  with pytest.raises(ValueError, match="enable_prompt_logprobs"):
+    make_engine(loaded, max_model_len=64, max_num_batched_tokens=16, warmup=False).add_request(
+        None, prompt[:5], SamplingParams(prompt_logprobs=1))

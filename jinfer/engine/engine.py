@@ -93,7 +93,8 @@ class LLMEngine:
     self._seed_rng = np.random.default_rng(config.seed)
     self._ids = itertools.count()
     self.num_steps = self.prompt_tokens = self.generation_tokens = 0
-    self.warmup_seconds = self.runner.warmup() if warmup else 0.0
+    self.warmup_seconds = (self.runner.warmup(config.enable_prompt_logprobs) if warmup
+                           else 0.0)
 
   # -- requests -----------------------------------------------------------------------------
   def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -121,8 +122,8 @@ class LLMEngine:
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
     if bad:
       raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab})")
-    if params.prompt_logprobs is not None:
-      raise ValueError("prompt_logprobs is not supported by this engine yet")
+    if params.prompt_logprobs is not None and not self.config.enable_prompt_logprobs:
+      raise ValueError("prompt_logprobs needs the engine option enable_prompt_logprobs=True")
 
   def add_request(self, request_id: str | None, prompt: str | list[int],
                   params: SamplingParams | None = None, *, arrival_time: float | None = None,
@@ -170,14 +171,18 @@ class LLMEngine:
     if not batch.seqs:
       return []
     inp = build_step_input(batch, self.buckets, self.config.page_size, self.eos_ids)
-    out = self.runner.run(inp)
+    out, prompt_lp = self.runner.run(inp)
     now = time.monotonic()
     self.num_steps += 1
     touched: dict[str, _Group] = {}
+    row = 0
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+      row += n
       group = self.groups.get(seq.group_id)
       if group is None:
         continue
+      if prompt_lp is not None and seq.params.prompt_logprobs is not None:
+        self._record_prompt_logprobs(seq, prompt_lp, row - n, n)
       if seq.num_computed_tokens < len(seq.prompt_token_ids):
         self.prompt_tokens += min(n, len(seq.prompt_token_ids) - seq.num_computed_tokens)
       seq.num_computed_tokens += n
@@ -225,6 +230,22 @@ class LLMEngine:
     if seq.finish_reason is not None:
       seq.text += seq.detok.flush() if seq.finish_reason == "length" else ""
 
+  def _record_prompt_logprobs(self, seq: Sequence, plp, first_row: int, n: int):
+    """Rows first_row.. hold positions num_computed..; position p predicts prompt token p+1."""
+    k = seq.params.prompt_logprobs
+    if not seq.prompt_logprobs:
+      seq.prompt_logprobs.append(None)
+    start = seq.num_computed_tokens
+    for j in range(n):
+      target = start + j + 1
+      if target >= len(seq.prompt_token_ids) or target < len(seq.prompt_logprobs):
+        continue  # past the prompt, or already recorded before a preemption
+      r = first_row + j
+      entry = {seq.prompt_token_ids[target]: float(plp.target[r])}
+      for tid, lp in zip(plp.top_ids[r, :k], plp.top_logprobs[r, :k]):
+        entry.setdefault(int(tid), float(lp))
+      seq.prompt_logprobs.append(entry)
+
   def _check_stop_strings(self, seq: Sequence) -> bool:
     longest = max(map(len, seq.params.stop))
     # Only the tail can hold a new match: earlier text was checked on earlier tokens.
@@ -260,6 +281,8 @@ class LLMEngine:
                          prompt_token_ids=group.prompt_token_ids, outputs=comps,
                          finished=group.finished, metrics=lead.metrics,
                          num_cached_tokens=lead.num_cached_tokens,
+                         prompt_logprobs=(lead.prompt_logprobs if group.params.prompt_logprobs
+                                          is not None else None),
                          error=next((s.stop_reason for s in group.seqs
                                      if s.finish_reason == "error"), None))
 

@@ -18,6 +18,9 @@ class EngineConfig:
   matmul_backend: str | None = None  # int8 matmul, likewise
   interpret: bool = False  # run Pallas kernels in interpret mode (CPU testing)
   quantization: str | None = None  # None, "int8" (W8A16) or "w8a8"; applied at load time
+  # Requests may ask for prompt_logprobs: compiles a second step variant per bucket that
+  # projects every row to logits, used only by steps that carry such a request.
+  enable_prompt_logprobs: bool = False
   seed: int = 0  # seeds requests that bring none
 
   def __post_init__(self):

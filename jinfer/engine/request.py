@@ -60,6 +60,8 @@ class Sequence:
   metrics: RequestMetrics
   output_token_ids: list[int] = dataclasses.field(default_factory=list)
   output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+  # One entry per prompt token (the first has no context: None), when asked for.
+  prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)
   pages: list[int] = dataclasses.field(default_factory=list)
   num_computed_tokens: int = 0
   num_cached_tokens: int = 0  # prompt tokens served by the prefix cache, first admission

@@ -5,7 +5,9 @@ import functools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jinfer.config import ModelConfig
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
@@ -13,13 +15,30 @@ from jinfer.models import CausalLM
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.quant.int8 import param_bytes
 from jinfer.sample import SampleOutput, sample
+from jinfer.sampling_params import MAX_LOGPROBS
 from pallas_kernels import KVCacheSpec
 
 
+@struct.dataclass
+class PromptLogprobs:
+  target: jax.Array  # [T] float32: logprob of the token each row predicts
+  top_ids: jax.Array  # [T, MAX_LOGPROBS] int32
+  top_logprobs: jax.Array  # [T, MAX_LOGPROBS] float32
+
+
 def _step(model: CausalLM, params, kv_caches, inp: StepInput):
-  logits, kv_caches = model.apply({"params": params}, inp.token_ids, inp.positions, kv_caches,
-                                  inp.md, inp.logits_indices)  # [S, V]
-  return sample(logits, inp.sampling), kv_caches
+  if not inp.prompt_logprobs:
+    logits, kv_caches = model.apply({"params": params}, inp.token_ids, inp.positions, kv_caches,
+                                    inp.md, inp.logits_indices)  # [S, V]
+    return sample(logits, inp.sampling), None, kv_caches
+  rows, kv_caches = model.apply({"params": params}, inp.token_ids, inp.positions, kv_caches,
+                                inp.md)  # [T, V]
+  lp = jax.nn.log_softmax(rows, axis=-1)
+  top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+  target = jnp.take_along_axis(lp, inp.target_ids[:, None], axis=-1)[:, 0]
+  return (sample(rows[inp.logits_indices], inp.sampling),
+          PromptLogprobs(target=target, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp),
+          kv_caches)
 
 
 class ModelRunner:
@@ -32,15 +51,15 @@ class ModelRunner:
     # The cache is donated: XLA updates it in place instead of copying it every step.
     self._step = jax.jit(functools.partial(_step, self.model), donate_argnums=(1,))
 
-  def run(self, inp: StepInput) -> SampleOutput:
-    out, self.kv_caches = self._step(self.params, self.kv_caches, inp)
-    return jax.tree.map(np.asarray, out)
+  def run(self, inp: StepInput) -> tuple[SampleOutput, PromptLogprobs | None]:
+    out, prompt_lp, self.kv_caches = self._step(self.params, self.kv_caches, inp)
+    return jax.tree.map(np.asarray, (out, prompt_lp))
 
-  def warmup(self) -> float:
+  def warmup(self, with_prompt_logprobs: bool = False) -> float:
     """Compile every bucket by running an all-padding step of each shape; returns seconds."""
     t0 = time.monotonic()
-    for t in self.buckets.shapes():
-      self.run(to_step_input(empty_step_input(self.buckets, t), self.buckets))
+    for t, prompt_lp in self.buckets.shapes(with_prompt_logprobs):
+      self.run(to_step_input(empty_step_input(self.buckets, t, prompt_lp), self.buckets))
     return time.monotonic() - t0
 
   @property

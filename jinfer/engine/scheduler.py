@@ -113,7 +113,8 @@ class Scheduler:
       if lead is not None and not lead.finished and lead.num_computed_tokens < len(lead.prompt_token_ids):
         skipped.append(self.waiting.popleft())  # a sibling: wait for the lead's prompt pages
         continue
-      if not seq.pages:
+      # Prompt logprobs need every prompt row computed, so such requests skip the cache.
+      if not seq.pages and seq.params.prompt_logprobs is None:
         seq.pages = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
         seq.num_computed_tokens = len(seq.pages) * self.blocks.page_size
         if seq.metrics.first_scheduled_time is None:

@@ -29,6 +29,9 @@ class StepInput:
   md: AttentionMetadata
   logits_indices: jax.Array  # [S] int32
   sampling: SamplingTensors
+  target_ids: jax.Array  # [T] int32: the token each row predicts (for prompt logprobs)
+  # Static: project every row to logits and return prompt logprobs.
+  prompt_logprobs: bool = struct.field(pytree_node=False, default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,15 +54,15 @@ class Buckets:
   def num_seqs(self, t: int) -> int:
     return min(t, self.max_num_seqs)
 
-  def shapes(self) -> list[int]:
-    """Every T the engine can run: what warmup compiles."""
-    return self.token_buckets
+  def shapes(self, with_prompt_logprobs: bool) -> list[tuple[int, bool]]:
+    """Every (T, prompt_logprobs) the engine can run: what warmup compiles."""
+    return [(t, pl) for t in self.token_buckets for pl in (False, True)[:1 + with_prompt_logprobs]]
 
   def pick(self, num_tokens: int) -> int:
     return next(t for t in self.token_buckets if t >= num_tokens)
 
 
-def empty_step_input(b: Buckets, t: int) -> dict[str, np.ndarray]:
+def empty_step_input(b: Buckets, t: int, prompt_logprobs: bool = False) -> dict:
   s = b.num_seqs(t)
   z = lambda *shape: np.zeros(shape, np.int32)
   return dict(
@@ -70,7 +73,8 @@ def empty_step_input(b: Buckets, t: int) -> dict[str, np.ndarray]:
       repetition_penalty=np.ones(s, np.float32), presence_penalty=np.zeros(s, np.float32),
       frequency_penalty=np.zeros(s, np.float32), seeds=np.zeros(s, np.uint32), gen_idx=z(s),
       history=np.full((s, b.max_model_len), -1, np.int32), prompt_lens=z(s),
-      banned=np.full((s, MAX_BANNED), -1, np.int32), num_logprobs=z(s))
+      banned=np.full((s, MAX_BANNED), -1, np.int32), num_logprobs=z(s), target_ids=z(t),
+      prompt_logprobs=prompt_logprobs)
 
 
 def to_step_input(a: dict, b: Buckets) -> StepInput:
@@ -82,14 +86,18 @@ def to_step_input(a: dict, b: Buckets) -> StepInput:
   fields = {f.name for f in dataclasses.fields(SamplingTensors)}
   return StepInput(token_ids=a["token_ids"], positions=a["positions"], md=md,
                    logits_indices=a["logits_indices"],
-                   sampling=SamplingTensors(**{k: a[k] for k in fields}))
+                   sampling=SamplingTensors(**{k: a[k] for k in fields}),
+                   target_ids=a["target_ids"], prompt_logprobs=a["prompt_logprobs"])
 
 
 def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
                      eos_ids: tuple[int, ...]) -> StepInput:
   n_tok = batch.num_tokens
   t = b.pick(max(n_tok, len(batch.seqs)))
-  a = empty_step_input(b, t)
+  want_prompt_lp = any(
+      s.params.prompt_logprobs is not None and s.num_computed_tokens < len(s.prompt_token_ids)
+      for s in batch.seqs)
+  a = empty_step_input(b, t, want_prompt_lp)
   a["num_seqs"][0] = len(batch.seqs)
   any_penalty = any(_has_penalty(s) for s in batch.seqs)
   off = 0
@@ -97,6 +105,9 @@ def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
     start = seq.num_computed_tokens
     pos = np.arange(start, start + n)
     a["token_ids"][off:off + n] = seq.token_ids[start:start + n]
+    if want_prompt_lp:
+      nxt = seq.token_ids[start + 1:start + n + 1]
+      a["target_ids"][off:off + len(nxt)] = nxt
     a["positions"][off:off + n] = pos
     pages = np.asarray(seq.pages, np.int32)
     a["slot_mapping"][off:off + n] = pages[pos // page_size] * page_size + pos % page_size
