@@ -27,7 +27,7 @@ class LLM:
 
   def generate(self, prompts: str | Seq[str] | Seq[list[int]],
                sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
-               use_tqdm: bool = False) -> list[RequestOutput]:
+               use_tqdm: bool = True) -> list[RequestOutput]:
     """Outputs in prompt order. Every prompt is validated before any is queued."""
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
       prompts = [prompts]
@@ -56,7 +56,7 @@ class LLM:
     return [final[r] for r in rids]
 
   def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-           sampling_params: SamplingParams | None = None, *, use_tqdm: bool = False,
+           sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,
            **template_kwargs: Any) -> list[RequestOutput]:
     """One conversation (a list of messages) or several; the chat template ends each with the
     assistant's turn."""
