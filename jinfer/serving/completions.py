@@ -99,7 +99,6 @@ class OpenAIServing:
     def next_of(i: int):
       tasks[asyncio.ensure_future(anext(streams[i]))] = i
 
-    failed = False
     try:
       for i in range(len(streams)):
         next_of(i)
@@ -111,8 +110,9 @@ class OpenAIServing:
             out = t.result()
           except StopAsyncIteration:
             continue
-          except RequestFailedError:
-            failed = True
+          except (RequestFailedError, RequestAbortedError) as e:
+            self.metrics.observe_unfinished(
+                "error" if isinstance(e, RequestFailedError) else "abort")
             raise
           if out.finished:
             self.metrics.observe_finished(out)
@@ -123,8 +123,8 @@ class OpenAIServing:
       for t in tasks:
         t.cancel()
       for s in streams:
-        if not s.done or failed:
-          self.metrics.observe_unfinished("error" if failed else "abort")
+        if not s.done:
+          self.metrics.observe_unfinished("abort")
         s.close()
 
   # -- logprobs -----------------------------------------------------------------------------
