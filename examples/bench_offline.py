@@ -71,14 +71,14 @@ def single_stream(engine: LLMEngine, prompt_len: int, output_len: int, bandwidth
   out = engine.run_to_completion([rid])[rid]
   times = out.metrics.token_times
   decode_tok_s = (len(times) - 1) / (times[-1] - times[0])
-  mc, spec = engine.model_config, engine.runner.spec
-  kv_bytes_per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * np.dtype(
-      spec.dtype).itemsize
+  stats = engine.stats()
+  # The pool's bytes per token slot: every layer's K and V for one position.
+  kv_bytes_per_token = stats.kv_cache_bytes / (engine.blocks.num_pages * engine.config.page_size)
   mean_ctx = prompt_len + output_len / 2  # the context each decode step reads, on average
-  bytes_per_token = engine.runner.weight_bytes + mean_ctx * kv_bytes_per_token
+  bytes_per_token = stats.weight_bytes + mean_ctx * kv_bytes_per_token
   roofline = bandwidth_gb_s * 1e9 / bytes_per_token
   return {"prompt_len": prompt_len, "output_len": output_len, "decode_tokens_per_s": decode_tok_s,
-          "weight_bytes": engine.runner.weight_bytes, "kv_bytes_per_context_token": kv_bytes_per_token,
+          "weight_bytes": stats.weight_bytes, "kv_bytes_per_context_token": kv_bytes_per_token,
           "bytes_per_token": bytes_per_token, "roofline_tokens_per_s": roofline,
           "fraction_of_roofline": decode_tok_s / roofline}
 
