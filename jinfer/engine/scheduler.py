@@ -75,12 +75,32 @@ class Scheduler:
     self.waiting.appendleft(seq)
     self.num_preemptions += 1
 
+  def _match_prefix(self, seq: Sequence):
+    # Prompt logprobs need every prompt row computed, so such requests skip the cache.
+    if seq.params.prompt_logprobs is not None:
+      return
+    seq.pages = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
+    seq.num_computed_tokens = len(seq.pages) * self.blocks.page_size
+    if seq.metrics.first_scheduled_time is None:
+      seq.num_cached_tokens = seq.num_computed_tokens
+
+  def _admit(self, seq: Sequence):
+    seq.status = Status.RUNNING
+    if seq.metrics.first_scheduled_time is None:
+      seq.metrics.first_scheduled_time = time.monotonic()
+    self.running.append(seq)
+
   def schedule(self) -> ScheduledBatch:
     cfg = self.config
     budget = cfg.max_num_batched_tokens
     seqs: list[Sequence] = []
     counts: list[int] = []
     prefills = 0
+
+    # A static batch takes up to max_num_seqs requests at once and runs until all have finished.
+    if not cfg.continuous_batching and not self.running:
+      while self.waiting and len(self.running) < cfg.max_num_seqs:
+        self._admit(self.waiting.popleft())
 
     # 1. Running sequences, oldest first.
     i = 0
@@ -90,6 +110,9 @@ class Scheduler:
       if remaining > 1 and prefills >= cfg.max_prefill_seqs:
         i += 1
         continue
+      if not seq.pages:  # admitted without pages: a static batch member or after preemption
+        self._match_prefix(seq)
+        remaining = seq.num_tokens - seq.num_computed_tokens
       n = min(remaining, budget)
       while not self._grow(seq, n):
         victim = self.running[-1]
@@ -104,21 +127,17 @@ class Scheduler:
       prefills += n > 1
       i += 1
 
-    # 2. Waiting sequences in arrival order. Static batching admits only into an empty batch.
-    admit = cfg.continuous_batching or not self.running
+    # 2. Waiting sequences in arrival order.
     skipped: list[Sequence] = []
-    while admit and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+    while (cfg.continuous_batching and self.waiting and budget > 0
+           and len(self.running) < cfg.max_num_seqs):
       seq = self.waiting[0]
       lead = seq.wait_for
       if lead is not None and not lead.finished and lead.num_computed_tokens < len(lead.prompt_token_ids):
         skipped.append(self.waiting.popleft())  # a sibling: wait for the lead's prompt pages
         continue
-      # Prompt logprobs need every prompt row computed, so such requests skip the cache.
-      if not seq.pages and seq.params.prompt_logprobs is None:
-        seq.pages = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
-        seq.num_computed_tokens = len(seq.pages) * self.blocks.page_size
-        if seq.metrics.first_scheduled_time is None:
-          seq.num_cached_tokens = seq.num_computed_tokens
+      if not seq.pages:
+        self._match_prefix(seq)
       remaining = seq.num_tokens - seq.num_computed_tokens
       if remaining > 1 and prefills >= cfg.max_prefill_seqs:
         break
@@ -129,11 +148,7 @@ class Scheduler:
         self.blocks.release(seq.pages)
         seq.pages, seq.num_computed_tokens = [], 0
         break
-      self.waiting.popleft()
-      seq.status = Status.RUNNING
-      if seq.metrics.first_scheduled_time is None:
-        seq.metrics.first_scheduled_time = time.monotonic()
-      self.running.append(seq)
+      self._admit(self.waiting.popleft())
       seqs.append(seq)
       counts.append(n)
       budget -= n
