@@ -87,8 +87,8 @@ def run_offline(engine: LLMEngine, workload: RandomWorkload, *,
         final[out.request_id] = out
     s = engine.stats()
     peak_pages = max(peak_pages, round(s.kv_pages_used * usable_pages))
-    # Saturated: requests still wait, so the batch is as full as the limits allow.
-    if s.num_waiting:
+    # Saturated: requests wait, or the batch holds max_num_seqs, so it is as full as allowed.
+    if s.num_waiting or s.num_running >= engine.config.max_num_seqs:
       kv_util.append(s.kv_utilization)
       pages_used.append(s.kv_pages_used)
   wall = time.monotonic() - t0
