@@ -221,3 +221,19 @@ def test_prompt_logprobs_match_the_model(loaded):
   with pytest.raises(ValueError, match="enable_prompt_logprobs"):
     make_engine(loaded, max_model_len=64, max_num_batched_tokens=16, warmup=False).add_request(
         None, prompt[:5], SamplingParams(prompt_logprobs=1))
+
+
+def test_static_batching_waits_for_the_whole_batch(loaded):
+  # 3 sequences of max_model_len (8 pages each) fit in 25 usable pages: batches of 3.
+  eng = make_engine(loaded, max_model_len=64, page_size=8, num_pages=26, max_num_seqs=8,
+                    max_num_batched_tokens=32, continuous_batching=False)
+  params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (2, 9, 4, 3)]
+  rids = [eng.add_request(None, p, sp) for p, sp in zip(_prompts(4, seed=15, lo=5, hi=20), params)]
+  batches = []
+  while eng.has_unfinished_requests():
+    eng.step()
+    batches.append(sorted(s.seq_id for s in eng.scheduler.running))
+  assert max(len(b) for b in batches) == 3
+  # The 4th request starts only after the longest of the first batch (9 tokens) is done.
+  first_with_4th = next(i for i, b in enumerate(batches) if rids[3] in b)
+  assert all(rids[1] not in b for b in batches[first_with_4th:])

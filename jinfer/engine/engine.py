@@ -72,7 +72,7 @@ class LLMEngine:
     self.blocks = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
     self.scheduler = Scheduler(SchedulerConfig(
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_prefill_seqs=config.max_prefill_seqs,
+        max_prefill_seqs=config.max_prefill_seqs, max_pages_per_seq=config.max_pages_per_seq,
         continuous_batching=config.continuous_batching), self.blocks)
     self.buckets = Buckets(max_num_seqs=config.max_num_seqs,
                            max_num_batched_tokens=config.max_num_batched_tokens,

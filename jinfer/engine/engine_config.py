@@ -13,7 +13,9 @@ class EngineConfig:
   max_num_batched_tokens: int = 512  # token budget of one step; long prefills are chunked
   max_prefill_seqs: int = 2  # sequences prefilling in one step (their queries pad to the budget)
   enable_prefix_caching: bool = True
-  continuous_batching: bool = True  # False: static batches (a baseline for benchmarks)
+  # False: static batches (a baseline for benchmarks) that wait for their longest member, each
+  # sequence reserving max_model_len slots as an engine without paging must.
+  continuous_batching: bool = True
   attention_backend: str | None = None  # None: by platform (reference on CPU, Pallas elsewhere)
   matmul_backend: str | None = None  # int8 matmul, likewise
   interpret: bool = False  # run Pallas kernels in interpret mode (CPU testing)

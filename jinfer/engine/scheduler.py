@@ -21,6 +21,7 @@ class SchedulerConfig:
   max_num_seqs: int
   max_num_batched_tokens: int
   max_prefill_seqs: int  # sequences with a multi-token chunk in one step
+  max_pages_per_seq: int
   continuous_batching: bool = True  # False: static batches that wait for their longest member
 
 
@@ -97,9 +98,11 @@ class Scheduler:
     counts: list[int] = []
     prefills = 0
 
-    # A static batch takes up to max_num_seqs requests at once and runs until all have finished.
+    # A static batch takes requests at once and runs until all have finished. Without paging a
+    # sequence must reserve max_model_len slots up front, so the same pool holds fewer of them.
     if not cfg.continuous_batching and not self.running:
-      while self.waiting and len(self.running) < cfg.max_num_seqs:
+      size = min(cfg.max_num_seqs, self.blocks.num_usable_pages // cfg.max_pages_per_seq)
+      while self.waiting and len(self.running) < size:
         self._admit(self.waiting.popleft())
 
     # 1. Running sequences, oldest first.
