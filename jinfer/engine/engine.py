@@ -12,8 +12,7 @@ import numpy as np
 
 from jinfer.engine.block_manager import BlockManager
 from jinfer.engine.engine_config import EngineConfig
-from jinfer.engine.request import (CompletionOutput, RequestMetrics, RequestOutput, Sequence,
-                                   Status)
+from jinfer.engine.request import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
 from jinfer.engine.step_input import MAX_BANNED, Buckets, build_step_input
@@ -21,7 +20,7 @@ from jinfer.models.kernel_options import KernelOptions
 from jinfer.quant.int8 import quantize_params
 from jinfer.sample import SampleOutput
 from jinfer.sampling_params import SamplingParams
-from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+from jinfer.tokenizer import IncrementalDetokenizer
 from jinfer.weights.loader import DEFAULT_MODEL, load_model
 from pallas_kernels import KVCacheSpec
 from pallas_kernels.ragged_paged_attention import default_backend

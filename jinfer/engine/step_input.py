@@ -41,11 +41,11 @@ class Buckets:
   max_prefill_seqs: int
   max_pages_per_seq: int
   max_model_len: int
-  min_tokens: int = 8
+  smallest_bucket: int = 8
 
   @property
   def token_buckets(self) -> list[int]:
-    out, t = [], self.min_tokens
+    out, t = [], self.smallest_bucket
     while t < self.max_num_batched_tokens:
       out.append(t)
       t *= 2
