@@ -166,6 +166,14 @@ def test_reference(case_batch):
   check(case, run(case, b, "reference"), want)
 
 
+@pytest.mark.parametrize("block_q", [8, 16])
+def test_reference_small_blocks(case_batch, block_q):
+  """Small row tiles straddle sequences (16 also leaves T a partial tile) and context loops
+  take one page per step, so every tiling path of the reference runs."""
+  case, b, want = case_batch
+  check(case, run(case, b, "reference", block_q=block_q, pages_per_block=1), want)
+
+
 def test_pallas_tpu_interpret(case_batch):
   case, b, want = case_batch
   check(case, run(case, b, "pallas_tpu", interpret=True, **dict(case.tpu_kw)), want)

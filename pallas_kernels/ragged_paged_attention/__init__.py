@@ -47,7 +47,7 @@ def ragged_paged_attention(
   query count (1 for decode-only steps), `max_prefill_seqs` how many sequences have more than one
   query. Kernels may use them to size their work.
   `interpret` runs a Pallas backend in interpret mode (True, or `pltpu.InterpretParams` for the
-  TPU kernel) so it works on the CPU; `block_sizes` go to the Pallas kernel (see its docstring).
+  TPU kernel) so it works on the CPU; `block_sizes` go to the implementation (see its docstring).
   """
   if backend not in _IMPLS:
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
@@ -55,8 +55,8 @@ def ragged_paged_attention(
             v_scale=v_scale, max_q_len=max_q_len)
   if backend != "reference":
     kw.update(interpret=interpret, **block_sizes)
-  elif block_sizes or interpret:
-    raise ValueError("the reference backend takes no block sizes and no interpret mode")
+  elif interpret:
+    raise ValueError("the reference backend has no interpret mode")
   else:
-    kw.update(max_prefill_seqs=max_prefill_seqs)
+    kw.update(max_prefill_seqs=max_prefill_seqs, **block_sizes)
   return _IMPLS[backend](q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, **kw)
