@@ -11,7 +11,9 @@ Every row's keys split in two, each with its own online softmax, merged at the e
   * the context (keys cached by earlier steps): a decode's single row reads it a block of pages
     at a time for all sequences at once; a prefill chunk's rows read it per sequence, tile by
     tile. Loops stop at the longest context, so cost follows the batch, not `max_model_len`.
-On XLA:CPU this is ~4x faster than padding every prefill chunk to `T` rows over all its keys.
+On XLA:CPU (2 cores, SmolLM2 heads) this took one layer's 512-token prefill from 20.5 ms to
+5.6 ms and a step of 448 prefill rows beside 63 decodes from 23.9 to 10.5 ms, against padding
+every prefill chunk to `T` rows over all of its keys.
 """
 from __future__ import annotations
 
@@ -74,14 +76,10 @@ def ragged_paged_attention_reference(
     x = jnp.einsum(spec, qt, k) * sm_scale
     return x if soft_cap is None else soft_cap * jnp.tanh(x / soft_cap)
 
-  def scale(kv):  # [..., 2, ...] as stored -> K, V float32, dequantized
-    k, v = kv[:, 0].astype(f32), kv[:, 1].astype(f32)
-    return (k if k_scale is None else k * k_scale), (v if v_scale is None else v * v_scale)
-
-  def load(ids):  # ids [G, Pb] -> K, V [G, Pb, Hkv, ps, D]
-    # Two gathers of contiguous [Hkv, ps, D] tiles: gathering whole pages and slicing K and V
-    # out afterwards costs an extra copy of both.
-    k, v = kv_cache[ids, 0].astype(f32), kv_cache[ids, 1].astype(f32)
+  def load(*idx):  # K and V at kv_cache[page_idx, {0, 1}, *rest], float32, dequantized
+    # K and V are gathered apart: gathering whole pages and slicing them apart costs a copy.
+    k = kv_cache[(idx[0], 0) + idx[1:]].astype(f32)
+    v = kv_cache[(idx[0], 1) + idx[1:]].astype(f32)
     return (k if k_scale is None else k * k_scale), (v if v_scale is None else v * v_scale)
 
   def window(kpos, qpos):  # keys a query at qpos may see, besides causality
@@ -104,7 +102,7 @@ def ragged_paged_attention_reference(
   # is seen exactly as later steps will see it).
   slot_pos = jnp.where(row_live, pos, 0)
   page = page_indices[seg, slot_pos // page_size]  # [T]
-  k_new, v_new = scale(kv_cache[page, :, :, slot_pos % page_size])  # [T, Hkv, D] each
+  k_new, v_new = load(page, slice(None), slot_pos % page_size)  # [T, Hkv, D] each
   v_new = jnp.where(row_live[:, None, None], v_new, 0.0)
 
   # -- 1. this step's keys: row tile i attends to tiles j <= i from its first row's sequence.
@@ -131,16 +129,14 @@ def ragged_paged_attention_reference(
       return j + 1, _update(st, scores(qt, sk(k_p, 1), "hxqd,hkd->hxqk"), mask,
                             lambda p: jnp.einsum("hxqk,hkd->hxqd", p, sk(v_p, 1)))
 
-    init = (jnp.full((hkv, gq, bq), _NEG_INF, f32), jnp.zeros((hkv, gq, bq), f32),
-            jnp.zeros((hkv, gq, bq, d), f32))
-    _, st = jax.lax.while_loop(lambda c: (c[0] <= i) & live_q[0], body, (first, init))
+    _, st = jax.lax.while_loop(lambda c: (c[0] <= i) & live_q[0], body,
+                               (first, empty(hkv, gq, bq)))
     return tuple(jax.lax.dynamic_update_slice_in_dim(o, x, i * bq, axis=2)
                  for o, x in zip(out, st))
 
-  out = (jnp.full((hkv, gq, t + pad), _NEG_INF, f32), jnp.zeros((hkv, gq, t + pad), f32),
-         jnp.zeros((hkv, gq, t + pad, d), f32))
-  m, l, acc = jax.lax.fori_loop(0, n_tiles, self_tile, out)
-  self_state = (m[:, :, :t], l[:, :, :t], acc[:, :, :t])  # [Hkv, Gq, T(, D)]
+  empty = lambda *lead: (jnp.full(lead, _NEG_INF, f32), jnp.zeros(lead, f32),
+                         jnp.zeros(lead + (d,), f32))  # (m, l, acc) of rows that saw no key
+  self_state = jax.lax.fori_loop(0, n_tiles, self_tile, empty(hkv, gq, t + pad))
 
   # -- 2. context of decode rows: one row per sequence, a block of pages of all at once.
   # Measured on XLA:CPU: ~1024 keys per block over all sequences balances loop overhead against
@@ -164,16 +160,13 @@ def ragged_paged_attention_reference(
     pv = lambda p: jnp.einsum("ghxps,gphsd->ghxd", p.reshape(sc.shape), v)
     return blk + 1, _update(st, sc.reshape(s_max, hkv, gq, bk), mask.reshape(s_max, 1, 1, bk), pv)
 
-  init = (jnp.full((s_max, hkv, gq), _NEG_INF, f32), jnp.zeros((s_max, hkv, gq), f32),
-          jnp.zeros((s_max, hkv, gq, d), f32))
   n_blk = (jnp.max(dec_ctx, initial=0) + bk - 1) // bk
-  _, dec = jax.lax.while_loop(lambda c: c[0] < n_blk, dec_block, (jnp.int32(0), init))
-  # Scatter to rows [Hkv, Gq, T]; rows of other sequences keep an empty state.
-  tgt = jnp.where(is_dec & live, dec_rows, t)
-  ctx_state = tuple(
-      base.at[:, :, tgt].set(jnp.moveaxis(x, 0, 2), mode="drop")
-      for base, x in zip((jnp.full((hkv, gq, t), _NEG_INF, f32), jnp.zeros((hkv, gq, t), f32),
-                          jnp.zeros((hkv, gq, t, d), f32)), dec))
+  _, dec = jax.lax.while_loop(lambda c: c[0] < n_blk, dec_block,
+                              (jnp.int32(0), empty(s_max, hkv, gq)))
+  # Scatter to rows [Hkv, Gq, T']; rows of other sequences keep an empty state.
+  tgt = jnp.where(is_dec & live, dec_rows, t + pad)
+  ctx_state = tuple(base.at[:, :, tgt].set(jnp.moveaxis(x, 0, 2), mode="drop")
+                    for base, x in zip(empty(hkv, gq, t + pad), dec))
 
   # -- 3. context of prefill chunks: per sequence with several queries and a cached context,
   # row tiles of it against blocks of its pages.
@@ -199,9 +192,7 @@ def ragged_paged_attention_reference(
 
         def kv_body(c3):
           kb, st = c3
-          ids = jax.lax.dynamic_slice_in_dim(table_q[sq], kb * pbq, pbq)
-          k, v = load(ids[None])  # [1, Pb, Hkv, ps, D]
-          k, v = k[0], v[0]
+          k, v = load(jax.lax.dynamic_slice_in_dim(table_q[sq], kb * pbq, pbq))  # [Pb,Hkv,ps,D]
           kpos = kb * bkq + jnp.arange(bkq)
           valid = kpos < cl
           k = k.transpose(1, 0, 2, 3).reshape(hkv, bkq, d)
@@ -210,9 +201,8 @@ def ragged_paged_attention_reference(
           return kb + 1, _update(st, scores(qt, k, "hxqd,hkd->hxqk"), mask,
                                  lambda p: jnp.einsum("hxqk,hkd->hxqd", p, v))
 
-        init = (jnp.full((hkv, gq, bq), _NEG_INF, f32), jnp.zeros((hkv, gq, bq), f32),
-                jnp.zeros((hkv, gq, bq, d), f32))
-        _, st = jax.lax.while_loop(lambda c3: c3[0] * bkq < cl, kv_body, (jnp.int32(0), init))
+        _, st = jax.lax.while_loop(lambda c3: c3[0] * bkq < cl, kv_body,
+                                   (jnp.int32(0), empty(hkv, gq, bq)))
         keep = lambda new, old: jnp.where(in_seq.reshape((1, 1, bq) + (1,) * (new.ndim - 3)),
                                           new, old)
         st_all = tuple(
@@ -224,12 +214,9 @@ def ragged_paged_attention_reference(
       _, st_all = jax.lax.while_loop(lambda c2: c2[0] * bq < ql, tile_body, (jnp.int32(0), st_all))
       return idx + 1, st_all
 
-    padded_state = tuple(jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 3))
-                         for x in ctx_state)
-    _, padded_state = jax.lax.while_loop(lambda c: c[0] < n_multi, seq_body,
-                                         (jnp.int32(0), padded_state))
-    ctx_state = tuple(x[:, :, :t] for x in padded_state)
+    _, ctx_state = jax.lax.while_loop(lambda c: c[0] < n_multi, seq_body,
+                                      (jnp.int32(0), ctx_state))
 
-  m, l, acc = _merge(self_state, ctx_state)
-  o = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # [Hkv, Gq, T, D]; padding rows come out 0
-  return o.transpose(2, 0, 1, 3).reshape(t, hq, d).astype(q.dtype)
+  _, l, acc = _merge(self_state, ctx_state)
+  o = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # [Hkv, Gq, T', D]; padding rows come out 0
+  return o[:, :, :t].transpose(2, 0, 1, 3).reshape(t, hq, d).astype(q.dtype)
