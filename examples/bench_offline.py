@@ -1,10 +1,12 @@
 """Offline throughput: jinfer continuous vs static batching vs HF transformers, on one CPU.
 
 The workload of `jinfer bench` (vLLM's random dataset: 64 requests, prompts of 32-512 tokens
-from numpy seed 0, 128 output tokens, EOS ignored, all submitted at t=0) runs on
+from numpy seed 0, 128 output tokens or with --output-len-min lengths uniform in
+[min, 128], EOS ignored, all submitted at t=0) runs on
   (a) jinfer with continuous batching,
   (b) the same engine configuration with continuous batching off (static batches),
   (c) HF transformers `generate` (torch CPU, float32, greedy) over left-padded static batches,
+      each generating to its longest request's length (only requested tokens are counted),
 then jinfer's single-stream decode is set against the memory-bandwidth roofline:
 bytes read per token (weights + the KV cache read at the mean context) / streaming bandwidth
 measured here. Prints one JSON object with the machine and the ratios.
@@ -94,7 +96,7 @@ def _hf_load(model: str):
   return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def run_hf(model: str, prompts: list[list[int]], output_len: int, batch_size: int) -> dict:
+def run_hf(model: str, prompts: list[list[int]], output_lens: list[int], batch_size: int) -> dict:
   """HF `generate`, greedy, over left-padded static batches in request order."""
   import torch
   import transformers
@@ -110,6 +112,7 @@ def run_hf(model: str, prompts: list[list[int]], output_len: int, batch_size: in
   out_tok = 0
   for i in range(0, len(prompts), batch_size):
     batch = prompts[i:i + batch_size]
+    n_out = max(output_lens[i:i + batch_size])  # a static batch runs to its longest member
     width = max(map(len, batch))
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -117,9 +120,10 @@ def run_hf(model: str, prompts: list[list[int]], output_len: int, batch_size: in
       ids[row, width - len(p):] = torch.tensor(p)
       mask[row, width - len(p):] = 1
     with torch.inference_mode():
-      gen = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                        min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
-    out_tok += (gen.shape[1] - width) * len(batch)
+      gen = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_out,
+                        min_new_tokens=n_out, do_sample=False, pad_token_id=pad)
+    assert gen.shape[1] - width == n_out
+    out_tok += sum(output_lens[i:i + batch_size])
   wall = time.monotonic() - t0
   in_tok = sum(map(len, prompts))
   return {"torch_version": torch.__version__, "transformers_version": transformers.__version__,
@@ -146,6 +150,8 @@ def main():
   ap.add_argument("--input-len-min", type=int, default=32)
   ap.add_argument("--input-len-max", type=int, default=512)
   ap.add_argument("--output-len", type=int, default=128)
+  ap.add_argument("--output-len-min", type=int, default=None,
+                  help="output lengths uniform in [this, --output-len] (default: all equal)")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--max-num-seqs", type=int, default=64)
   ap.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -157,7 +163,7 @@ def main():
 
   workload = RandomWorkload(num_prompts=args.num_prompts, input_len_min=args.input_len_min,
                             input_len_max=args.input_len_max, output_len=args.output_len,
-                            seed=args.seed)
+                            output_len_min=args.output_len_min, seed=args.seed)
   config = EngineConfig(max_model_len=max(workload.max_len,
                                           args.single_stream_prompt_len + args.output_len),
                         max_num_seqs=args.max_num_seqs,
@@ -178,7 +184,8 @@ def main():
   del engine
   gc.collect()
   if not args.skip_hf:
-    report["hf_transformers"] = run_hf(args.model, prompts, args.output_len, args.hf_batch_size)
+    report["hf_transformers"] = run_hf(args.model, prompts, workload.output_lens(),
+                                       args.hf_batch_size)
 
   tput = lambda k: report[k]["output_tokens_per_s"]
   ratios = {"continuous_over_static": tput("jinfer_continuous") / tput("jinfer_static")}

@@ -72,7 +72,7 @@ def cmd_bench(args):
   from jinfer.engine.engine_config import EngineConfig
   workload = RandomWorkload(num_prompts=args.num_prompts, input_len_min=args.input_len_min,
                             input_len_max=args.input_len_max, output_len=args.output_len,
-                            seed=args.seed)
+                            output_len_min=args.output_len_min, seed=args.seed)
   config = EngineConfig(max_model_len=args.max_model_len or workload.max_len,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -146,7 +146,9 @@ def main(argv: list[str] | None = None):
   p.add_argument("--num-prompts", type=int, default=64)
   p.add_argument("--input-len-min", type=int, default=32)
   p.add_argument("--input-len-max", type=int, default=512)
-  p.add_argument("--output-len", type=int, default=128)
+  p.add_argument("--output-len", type=int, default=128, help="the (longest) output length")
+  p.add_argument("--output-len-min", type=int, default=None,
+                 help="output lengths uniform in [this, --output-len] (default: all equal)")
   p.add_argument("--max-num-seqs", type=int, default=64)
   p.add_argument("--max-num-batched-tokens", type=int, default=512)
   p.add_argument("--max-model-len", type=int, default=None,

@@ -72,3 +72,31 @@ def test_bench_cli_reports_a_complete_run(tiny_model_dir, tmp_path, capsys):
   assert 0 < r["peak_pages_used"] <= r["usable_pages"]
   assert r["num_preemptions"] >= 0 and 0 <= r["prefix_hit_rate"] <= 1
   assert r["num_steps"] >= out_len
+
+
+def test_varied_output_lengths_keep_the_prompts():
+  fixed = RandomWorkload(num_prompts=30, input_len_min=3, input_len_max=9, output_len=20, seed=5)
+  varied = RandomWorkload(num_prompts=30, input_len_min=3, input_len_max=9, output_len=20,
+                          output_len_min=4, seed=5)
+  assert fixed.output_lens() == [20] * 30
+  lens = varied.output_lens()
+  assert lens == varied.output_lens() and all(4 <= n <= 20 for n in lens) and len(set(lens)) > 5
+  assert varied.prompts(VOCAB) == fixed.prompts(VOCAB)
+  assert [p.max_tokens for p in varied.sampling_params()] == lens
+  with pytest.raises(ValueError, match="output_len_min"):
+    RandomWorkload(output_len=8, output_len_min=9)
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+def test_bench_cli_varied_output_lengths(tiny_model_dir, tmp_path, capsys, continuous):
+  out = tmp_path / "bench.json"
+  main(["bench", "--model", tiny_model_dir, "--num-prompts", "6", "--input-len-min", "4",
+        "--input-len-max", "12", "--output-len", "9", "--output-len-min", "2",
+        "--max-num-seqs", "3", "--max-num-batched-tokens", "32", "--out", str(out)]
+       + ([] if continuous else ["--no-continuous-batching"]))
+  r = json.loads(out.read_text())
+  lens = RandomWorkload(num_prompts=6, input_len_min=4, input_len_max=12, output_len=9,
+                        output_len_min=2).output_lens()
+  assert r["completed"] == 6 and r["output_tokens"] == sum(lens)
+  assert r["config"]["workload"]["output_len_min"] == 2
+  assert r["config"]["engine"]["continuous_batching"] == continuous

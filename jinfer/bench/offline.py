@@ -1,8 +1,9 @@
 """Offline throughput benchmark: a synthetic batch of requests, all submitted at t=0.
 
 The workload is built the way `vllm bench`'s random dataset builds it: prompt lengths uniform in
-[min, max] from a numpy seed, each prompt a run of consecutive token ids from a random offset, a
-fixed output length with EOS ignored, so every run does exactly the same work.
+[min, max] from a numpy seed, each prompt a run of consecutive token ids from a random offset,
+output lengths fixed or (like its --random-range-ratio) uniform in [min, max] from the same seed,
+EOS ignored, so every run does exactly the same work.
 """
 from __future__ import annotations
 
@@ -21,12 +22,16 @@ class RandomWorkload:
   num_prompts: int = 64
   input_len_min: int = 32
   input_len_max: int = 512
-  output_len: int = 128
+  output_len: int = 128  # the longest output
+  output_len_min: int | None = None  # None: every output is output_len long
   seed: int = 0
 
   def __post_init__(self):
     if self.num_prompts < 1 or self.output_len < 1:
       raise ValueError("num_prompts and output_len must be >= 1")
+    if self.output_len_min is not None and not 1 <= self.output_len_min <= self.output_len:
+      raise ValueError(f"need 1 <= output_len_min <= output_len, got "
+                       f"{self.output_len_min}, {self.output_len}")
     if not 1 <= self.input_len_min <= self.input_len_max:
       raise ValueError(f"need 1 <= input_len_min <= input_len_max, got "
                        f"{self.input_len_min}, {self.input_len_max}")
@@ -43,8 +48,16 @@ class RandomWorkload:
     # The request index in the offset keeps prompts distinct even when offsets collide.
     return [((offsets[i] + i + np.arange(n)) % vocab_size).tolist() for i, n in enumerate(lens)]
 
-  def sampling_params(self) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=self.output_len, ignore_eos=True)
+  def output_lens(self) -> list[int]:
+    if self.output_len_min is None:
+      return [self.output_len] * self.num_prompts
+    # A stream of its own, so prompts stay those of the fixed-length workload.
+    rng = np.random.default_rng([self.seed, 1])
+    return rng.integers(self.output_len_min, self.output_len + 1, self.num_prompts).tolist()
+
+  def sampling_params(self) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            for n in self.output_lens()]
 
 
 def _percentiles(xs: list[float]) -> dict[str, float | None]:
@@ -70,14 +83,14 @@ def run_offline(engine: LLMEngine, workload: RandomWorkload, *,
   params = workload.sampling_params()
   for i, p in enumerate(prompts):  # nothing is queued unless every request can run
     try:
-      engine.validate(p, params)
+      engine.validate(p, params[i])
     except ValueError as e:
       raise ValueError(f"request {i}: {e}") from None
   before = engine.stats()
   usable_pages = engine.blocks.num_usable_pages
 
   t0 = time.monotonic()
-  rids = [engine.add_request(f"bench-{i}", p, params, arrival_time=t0)
+  rids = [engine.add_request(f"bench-{i}", p, params[i], arrival_time=t0)
           for i, p in enumerate(prompts)]
   final = {}
   kv_util, pages_used, peak_pages = [], [], 0

@@ -1,10 +1,10 @@
 """The fixed-shape pytree one jitted step consumes, and how the host builds it.
 
 Shapes come from a finite bucket set: `T` a power of two up to `max_num_batched_tokens`,
-`S = min(T, max_num_seqs)`, `P = max_pages_per_seq`. Attention pads prefill chunks to `T` rows
-for at most `max_prefill_seqs` sequences; a decode-only step has none, and the attention's loop
-over those costs nothing then, so one compiled shape per `T` serves decode and mixed steps alike.
-Padding rows write to the sink page and are never read.
+`S = min(T, max_num_seqs)`, `P = max_pages_per_seq`. The attention's loops run as far as the
+step's real sequences need (a decode-only step skips the prefill ones), so one compiled shape
+per `T` serves decode and mixed steps alike. Padding rows write to the sink page and are never
+read.
 """
 from __future__ import annotations
 
