@@ -77,10 +77,15 @@ def _sample_filtered(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [S
   return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-def _argmax(x: jax.Array) -> jax.Array:  # [S, V] -> [S] int32, the first maximum
-  # XLA:CPU lowers argmax over floats to a slow variadic (value, index) reduce: 7 ms for
-  # [64, 49152], against 1.6 ms for a max and an argmax over the booleans `x == max`.
-  return jnp.argmax(x == jnp.max(x, axis=-1, keepdims=True), axis=-1).astype(jnp.int32)
+def _argmax(x: jax.Array, block: int = 128) -> jax.Array:  # [S, V] -> [S] int32
+  """The first maximum of each row, like jnp.argmax. XLA:CPU lowers argmax over a long row to
+  a slow variadic (value, index) reduce (7 ms for [64, 49152]); a max per block of `block`
+  columns, an argmax over those maxima and one inside the winning block take ~1 ms."""
+  s, v = x.shape
+  xb = jnp.pad(x, ((0, 0), (0, -v % block)), constant_values=-jnp.inf).reshape(s, -1, block)
+  best = jnp.argmax(xb.max(axis=-1), axis=-1)  # [S] the first block holding the maximum
+  inner = jnp.argmax(jnp.take_along_axis(xb, best[:, None, None], axis=1)[:, 0], axis=-1)
+  return (best * block + inner).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, st: SamplingTensors) -> SampleOutput:
