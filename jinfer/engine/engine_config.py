@@ -11,7 +11,7 @@ class EngineConfig:
   num_pages: int | None = None  # default: room for max_num_seqs sequences of half max_model_len
   max_num_seqs: int = 64
   max_num_batched_tokens: int = 512  # token budget of one step; long prefills are chunked
-  max_prefill_seqs: int = 2  # sequences prefilling in one step (their queries pad to the budget)
+  max_prefill_seqs: int = 8  # sequences with a prefill chunk in one step
   enable_prefix_caching: bool = True
   # False: static batches (a baseline for benchmarks) that wait for their longest member, each
   # sequence reserving max_model_len slots as an engine without paging must.
