@@ -9,7 +9,8 @@ from numpy seed 0, 128 output tokens or with --output-len-min lengths uniform in
       each generating to its longest request's length (only requested tokens are counted),
 then jinfer's single-stream decode is set against the memory-bandwidth roofline:
 bytes read per token (weights + the KV cache read at the mean context) / streaming bandwidth
-measured here. Prints one JSON object with the machine and the ratios.
+measured here, and the whole workload against a compute ceiling: its FLOPs at the f32 matmul
+rate measured here. Prints one JSON object with the machine and the ratios.
 
     python examples/bench_offline.py [--num-prompts 8 --output-len 16 --skip-hf] [--out F]
 
@@ -62,6 +63,34 @@ def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
     best["jax"] = max(best["jax"], nbytes / (time.perf_counter() - t0))
   return {"numpy_gb_s": best["numpy"] / 1e9, "jax_gb_s": best["jax"] / 1e9,
           "gb_s": max(best.values()) / 1e9, "array_bytes": nbytes}
+
+
+def compute_ceiling(cfg, prompt_lens: list[int], output_lens: list[int], rows: int = 512) -> dict:
+  """Output tokens/s if every FLOP of the workload ran at the f32 matmul rate measured here.
+
+  FLOPs: 2 per layer weight per token through the layers (prompt + outputs but the last), 2 per
+  LM-head weight per generated token, 4 * heads * head_dim per causal (query, key) pair per
+  layer. The rate is the best of five [rows, hidden] x [hidden, intermediate] matmuls.
+  """
+  e, f, hq, hkv, d = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                      cfg.head_dim)
+  layer = 2 * e * hq * d + 2 * e * hkv * d + 3 * e * f  # q, o; k, v; gate, up, down
+  flops = 0
+  for p, o in zip(prompt_lens, output_lens):
+    n = p + o - 1
+    flops += cfg.num_layers * (2 * layer * n + 4 * hq * d * n * (n + 1) // 2)
+    flops += 2 * e * cfg.vocab_size * o
+  x, w = jnp.ones((rows, e), jnp.float32), jnp.ones((e, f), jnp.float32)
+  mm = jax.jit(lambda x, w: x @ w)
+  mm(x, w).block_until_ready()
+  best = float("inf")
+  for _ in range(5):
+    t0 = time.perf_counter()
+    mm(x, w).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  rate = 2 * rows * e * f / best
+  return {"workload_flops": flops, "matmul_gflop_s": rate / 1e9, "min_wall_s": flops / rate,
+          "output_tokens_per_s": sum(output_lens) * rate / flops}
 
 
 def single_stream(engine: LLMEngine, prompt_len: int, output_len: int, bandwidth_gb_s: float,
@@ -174,6 +203,8 @@ def main():
 
   engine, report["jinfer_continuous"] = _jinfer_run(args.model, config, workload, None)
   prompts = workload.prompts(engine.model_config.vocab_size)
+  report["compute_ceiling"] = compute_ceiling(engine.model_config, list(map(len, prompts)),
+                                              workload.output_lens())
   report["jinfer_single_stream"] = single_stream(
       engine, args.single_stream_prompt_len, args.output_len,
       report["memory_bandwidth"]["gb_s"], engine.model_config.vocab_size)
@@ -192,6 +223,8 @@ def main():
   if not args.skip_hf:
     ratios["continuous_over_hf"] = tput("jinfer_continuous") / tput("hf_transformers")
     ratios["static_over_hf"] = tput("jinfer_static") / tput("hf_transformers")
+  ratios["continuous_over_compute_ceiling"] = (tput("jinfer_continuous")
+                                               / report["compute_ceiling"]["output_tokens_per_s"])
   ratios["single_stream_over_roofline"] = report["jinfer_single_stream"]["fraction_of_roofline"]
   report["ratios_output_tokens_per_s"] = ratios
   text = json.dumps(report, indent=2)
