@@ -237,3 +237,34 @@ def test_static_batching_waits_for_the_whole_batch(loaded):
   # The 4th request starts only after the longest of the first batch (9 tokens) is done.
   first_with_4th = next(i for i, b in enumerate(batches) if rids[3] in b)
   assert all(rids[1] not in b for b in batches[first_with_4th:])
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_recovers(loaded):
+  """A step that raises after XLA consumed the donated cache: the requests it ran fail, the
+  cache is rebuilt, what was cached is forgotten, and the rest run as if nothing happened."""
+  eng = make_engine(loaded, max_model_len=256, page_size=8, max_num_seqs=2,
+                    max_num_batched_tokens=256)
+  prompts = _prompts(3, seed=11)
+  want = _run(eng, prompts, GREEDY)  # also leaves their pages in the prefix cache
+  real_step = eng.runner._step
+
+  def failing_step(params, caches, inp):
+    for c in caches:
+      c.delete()  # what a call that consumed its donated input leaves behind
+    raise RuntimeError("injected device failure")
+
+  rids = [eng.add_request(None, p, GREEDY) for p in prompts]  # max_num_seqs=2: the last waits
+  eng.runner._step = failing_step
+  outs = eng.step()
+  eng.runner._step = real_step
+  assert sorted(o.request_id for o in outs) == sorted(rids[:2])
+  for o in outs:
+    assert o.finished and "injected device failure" in o.error
+    assert o.outputs[0].finish_reason == "error"
+  assert eng.runner.cache_resets == 1 and not any(c.is_deleted() for c in eng.runner.kv_caches)
+  assert not eng.blocks.by_hash  # nothing cached survives the rebuilt cache
+  final = eng.run_to_completion()
+  assert list(final) == [rids[2]] and final[rids[2]].outputs[0].token_ids == want[2]
+  eng.blocks.check_consistency()
+  assert eng.blocks.num_free_pages == eng.blocks.num_usable_pages
+  assert _run(eng, prompts, GREEDY) == want  # recomputed from scratch, same tokens

@@ -82,6 +82,13 @@ class BlockManager:
       self.page_key[page] = (h, tuple(tokens[i * self.page_size:(i + 1) * self.page_size]), salt)
       self.by_hash[h] = page
 
+  def forget_cached(self):
+    """Drop every prefix-cache entry: the KV they pointed to is gone (the cache was rebuilt)."""
+    self.free.extend(self.evictable)
+    self.evictable.clear()
+    self.page_key.clear()
+    self.by_hash.clear()
+
   # -- allocation ---------------------------------------------------------------------------
   def _take(self, page: int):
     if self.ref[page] == 0:

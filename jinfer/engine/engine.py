@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from typing import Iterable
 
@@ -24,6 +25,8 @@ from jinfer.tokenizer import IncrementalDetokenizer
 from jinfer.weights.loader import DEFAULT_MODEL, load_model
 from pallas_kernels import KVCacheSpec
 from pallas_kernels.ragged_paged_attention import default_backend
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -169,8 +172,12 @@ class LLMEngine:
     batch = self.scheduler.schedule()
     if not batch.seqs:
       return []
-    inp = build_step_input(batch, self.buckets, self.config.page_size, self.eos_ids)
-    out, prompt_lp = self.runner.run(inp)
+    resets = self.runner.cache_resets
+    try:
+      inp = build_step_input(batch, self.buckets, self.config.page_size, self.eos_ids)
+      out, prompt_lp = self.runner.run(inp)
+    except Exception as e:
+      return self._fail_batch(batch, e, cache_lost=self.runner.cache_resets != resets)
     now = time.monotonic()
     self.num_steps += 1
     touched: dict[str, _Group] = {}
@@ -197,6 +204,27 @@ class LLMEngine:
         self.scheduler.finish(seq)
       touched[group.request_id] = group
     outputs = [self._output(g) for g in touched.values()]
+    for o in outputs:
+      if o.finished:
+        self.groups.pop(o.request_id, None)
+    return outputs
+
+  def _fail_batch(self, batch, error: Exception, cache_lost: bool) -> list[RequestOutput]:
+    """A step that raised fails the requests it ran; the others go on. If the KV cache went with
+    it, every cached token is gone: the prefix cache forgets them and the running sequences are
+    recomputed."""
+    log.error("engine step failed (%d sequences)", len(batch.seqs), exc_info=error)
+    groups = {}
+    for seq in batch.seqs:
+      if seq.finished or seq.group_id not in self.groups:
+        continue
+      seq.finish_reason, seq.stop_reason = "error", f"engine step failed: {error!r}"
+      self.scheduler.finish(seq)
+      groups[seq.group_id] = self.groups[seq.group_id]
+    if cache_lost:
+      self.scheduler.preempt_all()
+      self.blocks.forget_cached()
+    outputs = [self._output(g) for g in groups.values()]
     for o in outputs:
       if o.finished:
         self.groups.pop(o.request_id, None)

@@ -48,11 +48,20 @@ class ModelRunner:
     self.config, self.params, self.spec, self.buckets = config, params, spec, buckets
     self.model = CausalLM(config, kernels, dtype=dtype)
     self.kv_caches = spec.allocate()
+    self.cache_resets = 0  # times a failed step consumed the cache and it was rebuilt empty
     # The cache is donated: XLA updates it in place instead of copying it every step.
     self._step = jax.jit(functools.partial(_step, self.model), donate_argnums=(1,))
 
   def run(self, inp: StepInput) -> tuple[SampleOutput, PromptLogprobs | None]:
-    out, prompt_lp, self.kv_caches = self._step(self.params, self.kv_caches, inp)
+    try:
+      out, prompt_lp, self.kv_caches = self._step(self.params, self.kv_caches, inp)
+    except Exception:
+      # The cache was donated to the failed call: if XLA consumed it, start from an empty one
+      # (the caller must then treat every cached token as gone).
+      if any(c.is_deleted() for c in self.kv_caches):
+        self.kv_caches = self.spec.allocate()
+        self.cache_resets += 1
+      raise
     return jax.tree.map(np.asarray, (out, prompt_lp))
 
   def warmup(self, with_prompt_logprobs: bool = False) -> float:

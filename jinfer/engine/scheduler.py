@@ -76,6 +76,11 @@ class Scheduler:
     self.waiting.appendleft(seq)
     self.num_preemptions += 1
 
+  def preempt_all(self):
+    """Send every running sequence back to wait for recomputation, keeping their order."""
+    for seq in reversed(self.running[:]):
+      self._preempt(seq)
+
   def _match_prefix(self, seq: Sequence):
     # Prompt logprobs need every prompt row computed, so such requests skip the cache.
     if seq.params.prompt_logprobs is not None:
