@@ -203,7 +203,11 @@ class LLMEngine:
       if seq.finish_reason is not None:
         self.scheduler.finish(seq)
       touched[group.request_id] = group
-    outputs = [self._output(g) for g in touched.values()]
+    return self._emit(touched.values())
+
+  def _emit(self, groups: Iterable[_Group]) -> list[RequestOutput]:
+    """The outputs of these requests now; finished ones are forgotten."""
+    outputs = [self._output(g) for g in groups]
     for o in outputs:
       if o.finished:
         self.groups.pop(o.request_id, None)
@@ -224,11 +228,7 @@ class LLMEngine:
     if cache_lost:
       self.scheduler.preempt_all()
       self.blocks.forget_cached()
-    outputs = [self._output(g) for g in groups.values()]
-    for o in outputs:
-      if o.finished:
-        self.groups.pop(o.request_id, None)
-    return outputs
+    return self._emit(groups.values())
 
   def _append_token(self, seq: Sequence, out: SampleOutput, row: int, now: float):
     p = seq.params
