@@ -203,8 +203,9 @@ def main():
 
   engine, report["jinfer_continuous"] = _jinfer_run(args.model, config, workload, None)
   prompts = workload.prompts(engine.model_config.vocab_size)
+  output_lens = workload.output_lens()
   report["compute_ceiling"] = compute_ceiling(engine.model_config, list(map(len, prompts)),
-                                              workload.output_lens())
+                                              output_lens)
   report["jinfer_single_stream"] = single_stream(
       engine, args.single_stream_prompt_len, args.output_len,
       report["memory_bandwidth"]["gb_s"], engine.model_config.vocab_size)
@@ -215,8 +216,7 @@ def main():
   del engine
   gc.collect()
   if not args.skip_hf:
-    report["hf_transformers"] = run_hf(args.model, prompts, workload.output_lens(),
-                                       args.hf_batch_size)
+    report["hf_transformers"] = run_hf(args.model, prompts, output_lens, args.hf_batch_size)
 
   tput = lambda k: report[k]["output_tokens_per_s"]
   ratios = {"continuous_over_static": tput("jinfer_continuous") / tput("jinfer_static")}

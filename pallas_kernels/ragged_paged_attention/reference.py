@@ -68,7 +68,7 @@ def ragged_paged_attention_reference(
   s_max, p_max = page_indices.shape
   _, _, hkv, page_size, _ = kv_cache.shape
   gq = hq // hkv
-  qb = t if max_q_len is None else min(max_q_len, t)
+  multi_query = t > 1 and (max_q_len is None or max_q_len > 1)  # else no prefill chunk exists
   sp = s_max if max_prefill_seqs is None else min(max_prefill_seqs, s_max)
   f32 = jnp.float32
 
@@ -84,6 +84,13 @@ def ragged_paged_attention_reference(
 
   def window(kpos, qpos):  # keys a query at qpos may see, besides causality
     return True if sliding_window is None else kpos > qpos - sliding_window
+
+  def blocked_table(ppb):  # the page table padded to whole blocks of ppb pages; keys per block
+    ppb = min(ppb, p_max)
+    return ppb, jnp.pad(page_indices, ((0, 0), (0, -p_max % ppb))), ppb * page_size
+
+  empty = lambda *lead: (jnp.full(lead, _NEG_INF, f32), jnp.zeros(lead, f32),
+                         jnp.zeros(lead + (d,), f32))  # (m, l, acc) of rows that saw no key
 
   # Per sequence and per row bookkeeping; entries past num_seqs may hold junk.
   n = num_seqs[0]
@@ -134,16 +141,13 @@ def ragged_paged_attention_reference(
     return tuple(jax.lax.dynamic_update_slice_in_dim(o, x, i * bq, axis=2)
                  for o, x in zip(out, st))
 
-  empty = lambda *lead: (jnp.full(lead, _NEG_INF, f32), jnp.zeros(lead, f32),
-                         jnp.zeros(lead + (d,), f32))  # (m, l, acc) of rows that saw no key
   self_state = jax.lax.fori_loop(0, n_tiles, self_tile, empty(hkv, gq, t + pad))
 
   # -- 2. context of decode rows: one row per sequence, a block of pages of all at once.
   # Measured on XLA:CPU: ~1024 keys per block over all sequences balances loop overhead against
   # the size of each gathered block (32 keys per sequence for 64 sequences, 128 for 8).
-  ppb = min(pages_per_block or max(1, max(32, min(128, 1024 // s_max)) // page_size), p_max)
-  table = jnp.pad(page_indices, ((0, 0), (0, -p_max % ppb)))
-  bk = ppb * page_size
+  ppb, table, bk = blocked_table(
+      pages_per_block or max(1, max(32, min(128, 1024 // s_max)) // page_size))
   is_dec = q_lens == 1
   dec_ctx = jnp.where(is_dec, ctx_lens, 0)  # [S]
   dec_rows = jnp.minimum(starts, t - 1)
@@ -170,12 +174,10 @@ def ragged_paged_attention_reference(
 
   # -- 3. context of prefill chunks: per sequence with several queries and a cached context,
   # row tiles of it against blocks of its pages.
-  if qb > 1:
+  if multi_query:
     (multi,) = jnp.nonzero((q_lens > 1) & (ctx_lens > 0), size=sp, fill_value=s_max)
     n_multi = jnp.sum(multi < s_max)
-    pbq = min(pages_per_block or max(1, 128 // page_size), p_max)
-    table_q = jnp.pad(page_indices, ((0, 0), (0, -p_max % pbq)))
-    bkq = pbq * page_size
+    pbq, table_q, bkq = blocked_table(pages_per_block or max(1, 128 // page_size))
 
     def seq_body(c):
       idx, st_all = c
