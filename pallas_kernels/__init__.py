@@ -2,9 +2,11 @@
 
 Each op has one public entry point and a pure-jnp oracle beside its kernels.
 """
+from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.int8_matmul import int8_matmul, quantize_per_channel
 from pallas_kernels.kv_cache_layout import KVCacheSpec, write_kv
-from pallas_kernels.ragged_paged_attention import default_backend, ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import (default_backend, merge_attention,
+                                                   ragged_paged_attention)
 
-__all__ = ["KVCacheSpec", "write_kv", "ragged_paged_attention", "default_backend", "int8_matmul",
-           "quantize_per_channel"]
+__all__ = ["AttentionMetadata", "KVCacheSpec", "write_kv", "ragged_paged_attention",
+           "merge_attention", "default_backend", "int8_matmul", "quantize_per_channel"]

@@ -1,62 +1,71 @@
-"""Ragged paged attention: one entry point, implementations chosen by `backend`."""
+"""Ragged paged attention: one entry point, one contract (`AttentionMetadata`), implementations
+chosen by `backend`:
+
+  reference   the dense oracle, obviously right (tests only)
+  xla         the tuned pure-jnp path; what runs on the CPU
+  pallas_tpu  Mosaic TPU kernel
+  pallas_gpu  Pallas GPU kernel (Triton lowering)
+"""
 from __future__ import annotations
 
 from typing import Any
 
 import jax
 
+from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.pallas_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention.pallas_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention.softmax_state import merge_attention
+from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
 _IMPLS = {
     "reference": ragged_paged_attention_reference,
+    "xla": ragged_paged_attention_xla,
     "pallas_tpu": ragged_paged_attention_tpu,
     "pallas_gpu": ragged_paged_attention_gpu,
 }
 BACKENDS = tuple(_IMPLS)
+_PALLAS = ("pallas_tpu", "pallas_gpu")
+
+__all__ = ["BACKENDS", "default_backend", "merge_attention", "ragged_paged_attention"]
 
 
 def default_backend() -> str:
-  """The implementation for the platform jax runs on: the Pallas kernel there, else the reference."""
-  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "reference")
+  """The implementation for the platform jax runs on: the Pallas kernel there, else XLA's."""
+  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
 
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    kv_cache: jax.Array,  # [num_pages, 2, Hkv, page_size, D]
-    kv_lens: jax.Array,  # [S]
-    page_indices: jax.Array,  # [S, P]
-    cu_q_lens: jax.Array,  # [S+1]
-    num_seqs: jax.Array,  # [1]
+    kv_cache: jax.Array,  # [L, num_pages, 2, Hkv, page_size, D]
+    md: AttentionMetadata,
     *,
+    layer: jax.Array | int = 0,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
-    max_q_len: int | None = None,
-    max_prefill_seqs: int | None = None,
-    backend: str = "reference",
+    return_softmax_state: bool = False,
+    backend: str = "xla",
     interpret: Any = False,
     **block_sizes: int,
-) -> jax.Array:  # [T, Hq, D]
-  """Causal attention of a flat ragged batch of queries over a paged KV cache.
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [T, Hq, D] (, lse [T, Hq] float32)
+  """Attention of a flat ragged batch of queries over layer `layer` of a paged KV cache, by the
+  rules of `AttentionMetadata` (row classes, tree mask, absent pages).
 
-  Static hints the engine passes so work follows the batch: `max_q_len` bounds any sequence's
-  query count (1 for decode-only steps), `max_prefill_seqs` how many sequences have more than one
-  query. Kernels may use them to size their work.
+  `layer` and `sliding_window` may be traced (a layer scan passes them per layer); a window
+  wider than any sequence means none. With `return_softmax_state` the row log-sum-exp comes
+  too, so results over disjoint pages merge with `merge_attention`.
   `interpret` runs a Pallas backend in interpret mode (True, or `pltpu.InterpretParams` for the
-  TPU kernel) so it works on the CPU; `block_sizes` go to the implementation (see its docstring).
+  TPU kernel) so it works on the CPU; the jnp backends run anywhere and ignore it.
+  `block_sizes` go to the implementation (see its docstring).
   """
   if backend not in _IMPLS:
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
-  kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
-            v_scale=v_scale, max_q_len=max_q_len)
-  if backend != "reference":
-    kw.update(interpret=interpret, **block_sizes)
-  elif interpret:
-    raise ValueError("the reference backend has no interpret mode")
-  else:
-    kw.update(max_prefill_seqs=max_prefill_seqs, **block_sizes)
-  return _IMPLS[backend](q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs, **kw)
+  kw = dict(layer=layer, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            k_scale=k_scale, v_scale=v_scale, return_softmax_state=return_softmax_state)
+  if backend in _PALLAS:
+    kw["interpret"] = interpret
+  return _IMPLS[backend](q, kv_cache, md, **kw, **block_sizes)

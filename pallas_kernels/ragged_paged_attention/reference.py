@@ -1,224 +1,86 @@
-"""Pure-jnp ragged paged attention: the CPU path and the oracle for every kernel.
+"""The oracle: ragged paged attention written densely, to be checked by eye. Tests only.
 
-Queries of all sequences are packed flat (`q [T, Hq, D]`, sequence s owns rows
-`cu_q_lens[s]:cu_q_lens[s+1]`). Each sequence's queries are the last `q_len` positions of its
-`kv_len` tokens, so prefill, chunked prefill and decode are one case.
-
-Every row's keys split in two, each with its own online softmax, merged at the end:
-  * this step's keys (the last `q_len` of the sequence): they sit in the flat batch beside the
-    queries, so tiles of rows attend to earlier tiles block-causally, from the tile where the
-    row's sequence starts. No page is gathered and no padding row is computed.
-  * the context (keys cached by earlier steps): a decode's single row reads it a block of pages
-    at a time for all sequences at once; a prefill chunk's rows read it per sequence, tile by
-    tile. Loops stop at the longest context, so cost follows the batch, not `max_model_len`.
-On XLA:CPU (2 cores, SmolLM2 heads) this took one layer's 512-token prefill from 20.5 ms to
-5.6 ms and a step of 448 prefill rows beside 63 decodes from 23.9 to 10.5 ms, against padding
-every prefill chunk to `T` rows over all of its keys.
+Every query row gathers all of its sequence's pages, builds one boolean mask from the contract's
+rules (`attention_metadata.py`) and takes a plain softmax. Memory is O(T x keys per sequence):
+fine for test batches, useless for serving.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-_NEG_INF = -1e30
+from pallas_kernels.attention_metadata import AttentionMetadata
 
 
-def _update(state, s, mask, pv):
-  """One online-softmax step. state = (m, l, acc); s: scores with keys last; mask broadcasts
-  against s; pv(p) multiplies probabilities by values (whose invalid rows must be zero, as
-  0 * NaN = NaN)."""
-  m, l, acc = state
-  s = jnp.where(mask, s, _NEG_INF)
-  m_new = jnp.maximum(m, s.max(axis=-1))
-  p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-  alpha = jnp.exp(m - m_new)
-  return m_new, l * alpha + p.sum(axis=-1), acc * alpha[..., None] + pv(p)
-
-
-def _merge(a, b):
-  """Combine two partial softmax states over disjoint key sets."""
-  m = jnp.maximum(a[0], b[0])
-  wa, wb = jnp.exp(a[0] - m), jnp.exp(b[0] - m)
-  return m, a[1] * wa + b[1] * wb, a[2] * wa[..., None] + b[2] * wb[..., None]
+def row_layout(md: AttentionMetadata, t: int):
+  """Per row: (sequence, index among its sequence's new rows, live); per sequence: (first row,
+  query count, cached context length). Entries past `num_seqs` may hold junk and are ignored."""
+  s = md.kv_lens.shape[0]
+  n = md.num_seqs[0]
+  seq_live = jnp.arange(s) < n
+  cu = jnp.where(jnp.arange(s + 1) <= n, md.cu_q_lens, md.cu_q_lens[n])  # non-decreasing
+  starts, q_lens = cu[:-1], cu[1:] - cu[:-1]  # [S]
+  ctx_lens = jnp.where(seq_live, md.kv_lens - q_lens, 0)  # [S]
+  rows = jnp.arange(t)
+  seg = jnp.clip(jnp.searchsorted(cu[1:], rows, side="right"), 0, s - 1)  # [T]
+  return seg, rows - starts[seg], rows < cu[n], starts, q_lens, ctx_lens
 
 
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, Hq, D]
-    kv_cache: jax.Array,  # [num_pages, 2, Hkv, page_size, D]
-    kv_lens: jax.Array,  # [S] int32
-    page_indices: jax.Array,  # [S, P] int32
-    cu_q_lens: jax.Array,  # [S+1] int32
-    num_seqs: jax.Array,  # [1] int32
+    kv_cache: jax.Array,  # [L, num_pages, 2, Hkv, page_size, D]
+    md: AttentionMetadata,
     *,
+    layer: jax.Array | int = 0,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
-    max_q_len: int | None = None,
-    max_prefill_seqs: int | None = None,
-    block_q: int = 256,
-    pages_per_block: int | None = None,
-) -> jax.Array:  # [T, Hq, D]
-  """`max_q_len` bounds any sequence's query count (static; 1 skips the prefill paths) and
-  `max_prefill_seqs` how many sequences have more than one query (static; default S).
-  `block_q` is the row tile (256 measured best on XLA:CPU); `pages_per_block` how many pages
-  of each sequence one step of the context loops reads (default: by batch size)."""
+    return_softmax_state: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [T, Hq, D] (, lse [T, Hq] float32)
   t, hq, d = q.shape
-  s_max, p_max = page_indices.shape
-  _, _, hkv, page_size, _ = kv_cache.shape
-  gq = hq // hkv
-  multi_query = t > 1 and (max_q_len is None or max_q_len > 1)  # else no prefill chunk exists
-  sp = s_max if max_prefill_seqs is None else min(max_prefill_seqs, s_max)
+  _, _, _, hkv, page_size, _ = kv_cache.shape
+  s_max, p_max = md.block_table.shape
   f32 = jnp.float32
+  seg, idx, live, _, q_lens, ctx_lens = row_layout(md, t)
 
-  def scores(qt, k, spec):
-    x = jnp.einsum(spec, qt, k) * sm_scale
-    return x if soft_cap is None else soft_cap * jnp.tanh(x / soft_cap)
+  # Each sequence's keys in position order: [S, K, Hkv, D], K = P * page_size.
+  pages = md.block_table
+  present = jnp.repeat(pages >= 0, page_size, axis=1)  # [S, K]
+  kv = kv_cache[layer, jnp.maximum(pages, 0)].astype(f32)  # [S, P, 2, Hkv, ps, D]
+  keys = kv[:, :, 0].transpose(0, 1, 3, 2, 4).reshape(s_max, -1, hkv, d)
+  vals = kv[:, :, 1].transpose(0, 1, 3, 2, 4).reshape(s_max, -1, hkv, d)
+  keys, vals = keys * (k_scale or 1.0), vals * (v_scale or 1.0)
 
-  def load(*idx):  # K and V at kv_cache[page_idx, {0, 1}, *rest], float32, dequantized
-    # K and V are gathered apart: gathering whole pages and slicing them apart costs a copy.
-    k = kv_cache[(idx[0], 0) + idx[1:]].astype(f32)
-    v = kv_cache[(idx[0], 1) + idx[1:]].astype(f32)
-    return (k if k_scale is None else k * k_scale), (v if v_scale is None else v * v_scale)
+  kpos = jnp.arange(p_max * page_size)[None, :]  # [1, K]
+  ctx, ql = ctx_lens[seg][:, None], q_lens[seg][:, None]  # [T, 1]
+  new = kpos - ctx  # [T, K]: index of a key among the sequence's new rows (< 0: cached context)
+  short = ql <= md.verify_width  # decode and verify rows
+  if md.tree_mask is None:
+    sees_new = new <= idx[:, None]
+    depth = idx
+  else:
+    tree = md.tree_mask.astype(bool)  # [T, W]
+    bit = jnp.take_along_axis(tree, jnp.clip(new, 0, md.verify_width - 1), axis=1)
+    sees_new = jnp.where(short, bit, new <= idx[:, None])
+    in_seq = jnp.arange(md.verify_width)[None, :] < ql
+    depth = jnp.where(short[:, 0], jnp.sum(tree & in_seq, axis=1) - 1, idx)
+  qpos = ctx[:, 0] + depth  # [T]
+  mask = (live[:, None] & present[seg] & (kpos < ctx + ql)
+          & ((new < 0) | ((new < ql) & sees_new)))
+  if sliding_window is not None:
+    mask &= kpos > qpos[:, None] - sliding_window
 
-  def window(kpos, qpos):  # keys a query at qpos may see, besides causality
-    return True if sliding_window is None else kpos > qpos - sliding_window
-
-  def blocked_table(ppb):  # the page table padded to whole blocks of ppb pages; keys per block
-    ppb = min(ppb, p_max)
-    return ppb, jnp.pad(page_indices, ((0, 0), (0, -p_max % ppb))), ppb * page_size
-
-  empty = lambda *lead: (jnp.full(lead, _NEG_INF, f32), jnp.zeros(lead, f32),
-                         jnp.zeros(lead + (d,), f32))  # (m, l, acc) of rows that saw no key
-
-  # Per sequence and per row bookkeeping; entries past num_seqs may hold junk.
-  n = num_seqs[0]
-  live = jnp.arange(s_max) < n
-  total = cu_q_lens[n]
-  starts = jnp.where(live, cu_q_lens[:-1], total)  # [S]
-  q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
-  ctx_lens = jnp.where(live, kv_lens - q_lens, 0)  # [S] keys cached before this step
-  rows = jnp.arange(t)
-  row_live = rows < total  # [T]
-  seg = jnp.clip(jnp.searchsorted(starts, rows, side="right") - 1, 0, s_max - 1)  # [T]
-  pos = ctx_lens[seg] + rows - starts[seg]  # [T] position of each row's token
-  qf = q.astype(f32).reshape(t, hkv, gq, d)
-
-  # This step's keys, read back from the slots the step wrote them to (so a quantized cache
-  # is seen exactly as later steps will see it).
-  slot_pos = jnp.where(row_live, pos, 0)
-  page = page_indices[seg, slot_pos // page_size]  # [T]
-  k_new, v_new = load(page, slice(None), slot_pos % page_size)  # [T, Hkv, D] each
-  v_new = jnp.where(row_live[:, None, None], v_new, 0.0)
-
-  # -- 1. this step's keys: row tile i attends to tiles j <= i from its first row's sequence.
-  bq = min(block_q, t)
-  n_tiles = -(-t // bq)
-  pad = n_tiles * bq - t
-  padded = lambda x, fill=0: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1),
-                                     constant_values=fill)
-  # Heads lead, so each tile's products are plain batched matmuls over [Gq*bq, D] rows.
-  q_p = padded(qf).transpose(1, 2, 0, 3)  # [Hkv, Gq, T', D]
-  k_p, v_p = padded(k_new).transpose(1, 0, 2), padded(v_new).transpose(1, 0, 2)  # [Hkv, T', D]
-  seg_p, pos_p, live_p = padded(seg, -1), padded(pos), padded(row_live, False)
-
-  def self_tile(i, out):
-    sl = lambda x, axis=0: jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis)
-    qt, seg_q, pos_q, live_q = sl(q_p, 2), sl(seg_p), sl(pos_p), sl(live_p)
-    first = starts[seg_q[0]] // bq
-
-    def body(c):
-      j, st = c
-      sk = lambda x, axis=0: jax.lax.dynamic_slice_in_dim(x, j * bq, bq, axis)
-      mask = ((seg_q[:, None] == sk(seg_p)[None, :]) & (sk(pos_p)[None, :] <= pos_q[:, None])
-              & live_q[:, None] & window(sk(pos_p)[None, :], pos_q[:, None]))
-      return j + 1, _update(st, scores(qt, sk(k_p, 1), "hxqd,hkd->hxqk"), mask,
-                            lambda p: jnp.einsum("hxqk,hkd->hxqd", p, sk(v_p, 1)))
-
-    _, st = jax.lax.while_loop(lambda c: (c[0] <= i) & live_q[0], body,
-                               (first, empty(hkv, gq, bq)))
-    return tuple(jax.lax.dynamic_update_slice_in_dim(o, x, i * bq, axis=2)
-                 for o, x in zip(out, st))
-
-  self_state = jax.lax.fori_loop(0, n_tiles, self_tile, empty(hkv, gq, t + pad))
-
-  # -- 2. context of decode rows: one row per sequence, a block of pages of all at once.
-  # Measured on XLA:CPU: ~1024 keys per block over all sequences balances loop overhead against
-  # the size of each gathered block (32 keys per sequence for 64 sequences, 128 for 8).
-  ppb, table, bk = blocked_table(
-      pages_per_block or max(1, max(32, min(128, 1024 // s_max)) // page_size))
-  is_dec = q_lens == 1
-  dec_ctx = jnp.where(is_dec, ctx_lens, 0)  # [S]
-  dec_rows = jnp.minimum(starts, t - 1)
-  qd, dpos = qf[dec_rows], pos[dec_rows]  # [S, Hkv, Gq, D], [S]
-
-  def dec_block(c):
-    blk, st = c
-    k, v = load(jax.lax.dynamic_slice_in_dim(table, blk * ppb, ppb, axis=1))  # [S,Pb,Hkv,ps,D]
-    kpos = (blk * bk + jnp.arange(bk)).reshape(ppb, page_size)
-    valid = kpos[None] < dec_ctx[:, None, None]  # [S, Pb, ps]
-    v = jnp.where(valid[:, :, None, :, None], v, 0.0)
-    mask = valid & window(kpos[None], dpos[:, None, None])
-    sc = scores(qd, k, "ghxd,gphsd->ghxps")
-    pv = lambda p: jnp.einsum("ghxps,gphsd->ghxd", p.reshape(sc.shape), v)
-    return blk + 1, _update(st, sc.reshape(s_max, hkv, gq, bk), mask.reshape(s_max, 1, 1, bk), pv)
-
-  n_blk = (jnp.max(dec_ctx, initial=0) + bk - 1) // bk
-  _, dec = jax.lax.while_loop(lambda c: c[0] < n_blk, dec_block,
-                              (jnp.int32(0), empty(s_max, hkv, gq)))
-  # Scatter to rows [Hkv, Gq, T']; rows of other sequences keep an empty state.
-  tgt = jnp.where(is_dec & live, dec_rows, t + pad)
-  ctx_state = tuple(base.at[:, :, tgt].set(jnp.moveaxis(x, 0, 2), mode="drop")
-                    for base, x in zip(empty(hkv, gq, t + pad), dec))
-
-  # -- 3. context of prefill chunks: per sequence with several queries and a cached context,
-  # row tiles of it against blocks of its pages.
-  if multi_query:
-    (multi,) = jnp.nonzero((q_lens > 1) & (ctx_lens > 0), size=sp, fill_value=s_max)
-    n_multi = jnp.sum(multi < s_max)
-    pbq, table_q, bkq = blocked_table(pages_per_block or max(1, 128 // page_size))
-
-    def seq_body(c):
-      idx, st_all = c
-      sq = multi[idx]
-      start, ql, cl = starts[sq], q_lens[sq], ctx_lens[sq]
-
-      def tile_body(c2):
-        ti, st_all = c2
-        r0 = start + ti * bq
-        r0c = jnp.minimum(r0, t + pad - bq)  # a tile may start late to stay in bounds
-        qt = jax.lax.dynamic_slice_in_dim(q_p, r0c, bq, axis=2)
-        in_seq = (r0c + jnp.arange(bq) >= start) & (r0c + jnp.arange(bq) < start + ql)
-        qpos_t = cl + r0c + jnp.arange(bq) - start  # [bq]
-
-        def kv_body(c3):
-          kb, st = c3
-          k, v = load(jax.lax.dynamic_slice_in_dim(table_q[sq], kb * pbq, pbq))  # [Pb,Hkv,ps,D]
-          kpos = kb * bkq + jnp.arange(bkq)
-          valid = kpos < cl
-          k = k.transpose(1, 0, 2, 3).reshape(hkv, bkq, d)
-          v = jnp.where(valid[:, None], v.transpose(1, 0, 2, 3).reshape(hkv, bkq, d), 0.0)
-          mask = valid[None, :] & in_seq[:, None] & window(kpos[None, :], qpos_t[:, None])
-          return kb + 1, _update(st, scores(qt, k, "hxqd,hkd->hxqk"), mask,
-                                 lambda p: jnp.einsum("hxqk,hkd->hxqd", p, v))
-
-        _, st = jax.lax.while_loop(lambda c3: c3[0] * bkq < cl, kv_body,
-                                   (jnp.int32(0), empty(hkv, gq, bq)))
-        keep = lambda new, old: jnp.where(in_seq.reshape((1, 1, bq) + (1,) * (new.ndim - 3)),
-                                          new, old)
-        st_all = tuple(
-            jax.lax.dynamic_update_slice_in_dim(
-                o, keep(x, jax.lax.dynamic_slice_in_dim(o, r0c, bq, axis=2)), r0c, axis=2)
-            for o, x in zip(st_all, st))
-        return ti + 1, st_all
-
-      _, st_all = jax.lax.while_loop(lambda c2: c2[0] * bq < ql, tile_body, (jnp.int32(0), st_all))
-      return idx + 1, st_all
-
-    _, ctx_state = jax.lax.while_loop(lambda c: c[0] < n_multi, seq_body,
-                                      (jnp.int32(0), ctx_state))
-
-  _, l, acc = _merge(self_state, ctx_state)
-  o = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # [Hkv, Gq, T', D]; padding rows come out 0
-  return o[:, :, :t].transpose(2, 0, 1, 3).reshape(t, hq, d).astype(q.dtype)
+  qf = q.astype(f32).reshape(t, hkv, hq // hkv, d)
+  scores = jnp.einsum("thgd,tkhd->thgk", qf, keys[seg]) * sm_scale  # [T, Hkv, G, K]
+  if soft_cap is not None:
+    scores = soft_cap * jnp.tanh(scores / soft_cap)
+  m4 = mask[:, None, None, :]
+  scores = jnp.where(m4, scores, -jnp.inf)
+  lse = jax.nn.logsumexp(scores, axis=-1)  # [T, Hkv, G]; -inf for rows that saw no key
+  p = jnp.where(m4, jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+  # Masked values are zeroed too: unused slots may hold NaN, and 0 * NaN = NaN.
+  o = jnp.einsum("thgk,tkhd->thgd", p, jnp.where(mask[:, :, None, None], vals[seg], 0.0))
+  o = o.reshape(t, hq, d).astype(q.dtype)
+  return (o, lse.reshape(t, hq)) if return_softmax_state else o
