@@ -17,7 +17,9 @@ The classes only choose how an implementation schedules its work; the result is 
 Tree mask: for the rows of decode and verify sequences, bit `j` of a row says whether it sees
 its sequence's `j`-th new row (absent: causal, row i sees new rows 0..i). A row must see itself
 and only earlier rows (parents before children). A tree row's position is the cached context
-length plus its depth (how many new rows it sees, minus one); sliding windows count from there.
+length plus its depth (how many new rows it sees, minus one); sliding windows count from there,
+and must be at least `verify_width` wide when a tree mask is given (so a row's ancestors are never
+outside its window, whichever way their positions are counted).
 
 Block table entries that are negative mark pages absent from this cache: their keys are
 skipped. Attention over a subset of a sequence's pages (one context-parallel rank's, or one

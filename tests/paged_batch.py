@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.models import AttentionMetadata
+from pallas_kernels import AttentionMetadata
 from pallas_kernels import KVCacheSpec
 
 
@@ -23,7 +23,7 @@ class PagedBatch:
     spec = KVCacheSpec(num_layers=c.num_layers, num_pages=num_pages, page_size=page_size,
                        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=model.dtype)
     # NaN in never-written slots: any read of an unused slot poisons the logits.
-    self.caches = [jnp.full(spec.layer_shape, jnp.nan, model.dtype) for _ in range(c.num_layers)]
+    self.cache = jnp.full(spec.shape, jnp.nan, model.dtype)
     self.lens = np.zeros(num_seqs, np.int32)
     self._fwd = jax.jit(model.apply)
 
@@ -48,6 +48,6 @@ class PagedBatch:
         kv_lens=jnp.asarray(self.lens), cu_q_lens=jnp.asarray(cu, jnp.int32),
         num_seqs=jnp.asarray([len(chunks)], jnp.int32), max_q_len=max(map(len, chunks)))
     logits_idx = jnp.arange(t) if all_rows else jnp.asarray(np.array(cu[1:]) - 1, jnp.int32)
-    logits, self.caches = self._fwd({"params": self.params}, jnp.asarray(ids, jnp.int32),
-                                    jnp.asarray(pos, jnp.int32), self.caches, md, logits_idx)
+    logits, _, self.cache = self._fwd({"params": self.params}, jnp.asarray(ids, jnp.int32),
+                                      jnp.asarray(pos, jnp.int32), self.cache, md, logits_idx)
     return np.asarray(logits)

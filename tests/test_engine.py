@@ -248,9 +248,8 @@ def test_a_failed_step_fails_its_requests_and_the_engine_recovers(loaded):
   want = _run(eng, prompts, GREEDY)  # also leaves their pages in the prefix cache
   real_step = eng.runner._step
 
-  def failing_step(params, caches, inp):
-    for c in caches:
-      c.delete()  # what a call that consumed its donated input leaves behind
+  def failing_step(params, cache, inp):
+    cache.delete()  # what a call that consumed its donated input leaves behind
     raise RuntimeError("injected device failure")
 
   rids = [eng.add_request(None, p, GREEDY) for p in prompts]  # max_num_seqs=2: the last waits
@@ -261,7 +260,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_recovers(loaded):
   for o in outs:
     assert o.finished and "injected device failure" in o.error
     assert o.outputs[0].finish_reason == "error"
-  assert eng.runner.cache_resets == 1 and not any(c.is_deleted() for c in eng.runner.kv_caches)
+  assert eng.runner.cache_resets == 1 and not eng.runner.kv_cache.is_deleted()
   assert not eng.blocks.by_hash  # nothing cached survives the rebuilt cache
   final = eng.run_to_completion()
   assert list(final) == [rids[2]] and final[rids[2]].outputs[0].token_ids == want[2]

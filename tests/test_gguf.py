@@ -13,11 +13,10 @@ import pytest
 import torch
 import transformers
 
-from jinfer.models import AttentionMetadata, CausalLM
-from jinfer.models.llama import param_shapes
+from jinfer.models import CausalLM, param_shapes
 from jinfer.weights.gguf_file import gguf_to_hf_name, load_gguf
 from jinfer.weights.hf_layout import WeightError, hf_to_params
-from pallas_kernels import KVCacheSpec
+from pallas_kernels import AttentionMetadata, KVCacheSpec
 from tests.tiny_gguf import HIDDEN, SHAPES, write_tiny_gguf
 
 PAGE_SIZE = 16
@@ -33,7 +32,7 @@ def _logits(config, params, ids: list[int]) -> np.ndarray:  # [T, V]: one sequen
       block_table=jnp.arange(1, 1 + pages, dtype=jnp.int32)[None], kv_lens=jnp.array([t], jnp.int32),
       cu_q_lens=jnp.array([0, t], jnp.int32), num_seqs=jnp.array([1], jnp.int32), max_q_len=t)
   # Jitted: op-by-op dispatch of 30 layers' attention loops is several times slower here.
-  logits, _ = jax.jit(CausalLM(config).apply)({"params": params}, jnp.asarray(ids, jnp.int32),
+  logits, _, _ = jax.jit(CausalLM(config).apply)({"params": params}, jnp.asarray(ids, jnp.int32),
                                               jnp.arange(t, dtype=jnp.int32), spec.allocate(), md)
   return np.asarray(logits)
 

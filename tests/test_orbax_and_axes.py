@@ -5,7 +5,7 @@ import jax
 import numpy as np
 
 from jinfer.config import ModelConfig
-from jinfer.models.llama import logical_axes, param_shapes
+from jinfer.models import logical_axes, param_shapes
 from jinfer.weights.orbax_checkpoint import restore_params, save_params
 
 CONFIG = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48,
@@ -33,4 +33,5 @@ def test_every_param_has_logical_axes():
   assert jax.tree.structure(shapes) == jax.tree.structure(axes, is_leaf=is_names)
   for s, names in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=is_names)):
     assert len(names) == len(s.shape)
-  assert axes["layers_0"]["attn"]["q_proj"]["kernel"] == ("embed", "q_heads", "head_dim")
+  assert axes["layers"]["attn"]["q_proj"]["kernel"] == ("layers", "embed", "q_heads", "head_dim")
+  assert shapes["layers"]["attn"]["q_proj"]["kernel"].shape == (2, 32, 4, 8)

@@ -7,24 +7,21 @@ import logging
 import time
 from typing import Iterable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
+from jinfer.config import ModelConfig
 from jinfer.engine.block_manager import BlockManager
-from jinfer.engine.engine_config import EngineConfig
+from jinfer.engine.engine_config import EngineConfig, default_dtype
 from jinfer.engine.request import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from jinfer.engine.runner import ModelRunner
-from jinfer.engine.scheduler import Scheduler, SchedulerConfig
-from jinfer.engine.step_input import MAX_BANNED, Buckets, build_step_input
-from jinfer.models.kernel_options import KernelOptions
-from jinfer.quant.int8 import quantize_params
+from jinfer.engine.scheduler import Scheduler
+from jinfer.engine.step_input import MAX_BANNED, build_step_input
+from jinfer.models import linear_kernels
+from jinfer.quant.qarray import quantize_params
 from jinfer.sample import SampleOutput
 from jinfer.sampling_params import SamplingParams
-from jinfer.tokenizer import IncrementalDetokenizer
+from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 from jinfer.weights.loader import DEFAULT_MODEL, load_model
-from pallas_kernels import KVCacheSpec
-from pallas_kernels.ragged_paged_attention import default_backend
 
 log = logging.getLogger(__name__)
 
@@ -59,38 +56,49 @@ class EngineStats:
 
 
 class LLMEngine:
+  """`model`: a built-in name, an HF directory or a .gguf file. `skip_tokenizer_init` serves
+  token-id prompts only (outputs carry token ids and no text), for a model directory without a
+  tokenizer. `LLMEngine.from_parts` builds one from a config, params and tokenizer in hand."""
 
   def __init__(self, model: str = DEFAULT_MODEL, *, dtype=None,
-               config: EngineConfig | None = None, warmup: bool = True, _loaded=None):
-    self.config = config = config or EngineConfig()
-    if dtype is None:  # bf16 matvec is ~15x slower than f32 on XLA:CPU
-      dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    model_config, params, self.tokenizer = _loaded or load_model(model, dtype)
-    self.model_config = model_config
-    self.max_model_len = min(config.max_model_len, model_config.max_position_embeddings)
-    config = self.config = dataclasses.replace(config, max_model_len=self.max_model_len)
-    self.eos_ids = tuple(model_config.eos_token_ids) or self.tokenizer.eos_token_ids
-    num_pages = config.resolved_num_pages()
-    self.blocks = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
-    self.scheduler = Scheduler(SchedulerConfig(
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_prefill_seqs=config.max_prefill_seqs, max_pages_per_seq=config.max_pages_per_seq,
-        continuous_batching=config.continuous_batching), self.blocks)
-    self.buckets = Buckets(max_num_seqs=config.max_num_seqs,
-                           max_num_batched_tokens=config.max_num_batched_tokens,
-                           max_prefill_seqs=config.max_prefill_seqs,
-                           max_pages_per_seq=config.max_pages_per_seq,
-                           max_model_len=self.max_model_len)
-    spec = KVCacheSpec(num_layers=model_config.num_layers, num_pages=num_pages,
-                       page_size=config.page_size, num_kv_heads=model_config.num_kv_heads,
-                       head_dim=model_config.head_dim, dtype=dtype)
-    kernels = KernelOptions(attention=config.attention_backend or default_backend(),
-                            matmul=config.matmul_backend or default_backend(),
-                            interpret=config.interpret, quantization=config.quantization)
+               config: EngineConfig | None = None, warmup: bool = True,
+               skip_tokenizer_init: bool = False):
+    dtype = dtype or default_dtype()
+    t0 = time.monotonic()
+    model_config, params, tokenizer = load_model(model, dtype,
+                                                 load_tokenizer=not skip_tokenizer_init)
+    self.load_seconds = time.monotonic() - t0
+    log.info("loaded %s in %.1f s", model, self.load_seconds)
+    self._build(model_config, params, tokenizer, config or EngineConfig(), dtype, warmup)
+
+  @classmethod
+  def from_parts(cls, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None, *,
+                 config: EngineConfig | None = None, dtype=None,
+                 warmup: bool = True) -> "LLMEngine":
+    """An engine over params already loaded (stacked layout, see `jinfer.models`)."""
+    self = cls.__new__(cls)
+    self.load_seconds = 0.0
+    self._build(model_config, params, tokenizer, config or EngineConfig(),
+                dtype or default_dtype(), warmup)
+    return self
+
+  def _build(self, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None,
+             config: EngineConfig, dtype, warmup: bool):
+    self.model_config, self.tokenizer = model_config, tokenizer
+    self.config = config = config.for_model(model_config)
+    self.max_model_len = config.max_model_len
+    self.eos_ids = tuple(model_config.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer
+                                                         else ())
+    self.blocks = BlockManager(config.resolved_num_pages(), config.page_size,
+                               config.enable_prefix_caching)
+    self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
+    self.buckets = config.buckets()
+    kernels = config.kernel_options()
     if config.quantization:
-      params = quantize_params(params)
-    self.runner = ModelRunner(model_config, params, spec, self.buckets, kernels=kernels,
-                              dtype=dtype)
+      params = quantize_params(params, linear_kernels(model_config))
+    self.runner = ModelRunner(model_config, params, config.kv_spec(model_config, dtype),
+                              self.buckets, kernels=kernels, dtype=dtype,
+                              scan_layers=config.resolved_scan_layers())
     self.groups: dict[str, _Group] = {}
     self._seed_rng = np.random.default_rng(config.seed)
     self._ids = itertools.count()
@@ -101,6 +109,8 @@ class LLMEngine:
   # -- requests -----------------------------------------------------------------------------
   def tokenize(self, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
+      if self.tokenizer is None:
+        raise ValueError("this engine has no tokenizer (skip_tokenizer_init): pass token ids")
       return self.tokenizer.encode(prompt)
     return [int(t) for t in prompt]
 
@@ -124,6 +134,8 @@ class LLMEngine:
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
     if bad:
       raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    if params.stop and self.tokenizer is None:
+      raise ValueError("stop strings need a tokenizer; this engine has none (skip_tokenizer_init)")
     if params.prompt_logprobs is not None and not self.config.enable_prompt_logprobs:
       raise ValueError("prompt_logprobs needs the engine option enable_prompt_logprobs=True")
 
@@ -145,7 +157,8 @@ class LLMEngine:
                      seed=(seed + i * 0x9E3779B1) & 0xFFFFFFFF,
                      metrics=metrics if i == 0 else dataclasses.replace(metrics, token_times=[]),
                      cache_salt=cache_salt, wait_for=seqs[0] if seqs else None)
-      seq.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+      if self.tokenizer is not None:
+        seq.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
       seqs.append(seq)
     self.groups[request_id] = _Group(request_id, prompt if isinstance(prompt, str) else None, ids,
                                      params, seqs)
@@ -175,7 +188,7 @@ class LLMEngine:
     resets = self.runner.cache_resets
     try:
       inp = build_step_input(batch, self.buckets, self.config.page_size, self.eos_ids)
-      out, prompt_lp = self.runner.run(inp)
+      res = self.runner.run(inp)
     except Exception as e:
       return self._fail_batch(batch, e, cache_lost=self.runner.cache_resets != resets)
     now = time.monotonic()
@@ -187,8 +200,8 @@ class LLMEngine:
       group = self.groups.get(seq.group_id)
       if group is None:
         continue
-      if prompt_lp is not None and seq.params.prompt_logprobs is not None:
-        self._record_prompt_logprobs(seq, prompt_lp, row - n, n)
+      if res.prompt_logprobs is not None and seq.params.prompt_logprobs is not None:
+        self._record_prompt_logprobs(seq, res.prompt_logprobs, row - n, n)
       if seq.num_computed_tokens < len(seq.prompt_token_ids):
         self.prompt_tokens += min(n, len(seq.prompt_token_ids) - seq.num_computed_tokens)
       seq.num_computed_tokens += n
@@ -197,7 +210,7 @@ class LLMEngine:
       if seq.num_computed_tokens < seq.num_tokens:
         continue  # a prefill chunk that is not the last: nothing sampled
       try:
-        self._append_token(seq, out, i, now)
+        self._append_token(seq, res.sample, i, now)
       except Exception as e:  # one request's failure must not hurt the others
         seq.finish_reason, seq.stop_reason = "error", repr(e)
       if seq.finish_reason is not None:
@@ -247,7 +260,7 @@ class LLMEngine:
     elif not p.ignore_eos and token in self.eos_ids and n_out >= p.min_tokens:
       seq.finish_reason = "stop"
     else:
-      seq.text += seq.detok.add(token)
+      seq.text += seq.detok.add(token) if seq.detok else ""
       if p.stop and n_out >= p.min_tokens and self._check_stop_strings(seq):
         return
     if seq.finish_reason is None:
@@ -255,7 +268,7 @@ class LLMEngine:
       if n_out >= max_tokens or seq.num_tokens >= self.max_model_len:
         seq.finish_reason = "length"
     if seq.finish_reason is not None:
-      seq.text += seq.detok.flush() if seq.finish_reason == "length" else ""
+      seq.text += seq.detok.flush() if seq.detok and seq.finish_reason == "length" else ""
 
   def _record_prompt_logprobs(self, seq: Sequence, plp, first_row: int, n: int):
     """Rows first_row.. hold positions num_computed..; position p predicts prompt token p+1."""

@@ -1,7 +1,17 @@
-"""Engine options: sizes of the page pool and of a step, and which kernels run."""
+"""Engine options, and every spec derived from them (scheduler, token buckets, KV cache, kernels)
+in one place."""
 from __future__ import annotations
 
 import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jinfer.config import ModelConfig
+from jinfer.engine.scheduler import SchedulerConfig
+from jinfer.engine.step_input import Buckets
+from jinfer.models.kernel_options import KernelOptions
+from pallas_kernels import KVCacheSpec, default_backend
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -16,10 +26,13 @@ class EngineConfig:
   # False: static batches (a baseline for benchmarks) that wait for their longest member, each
   # sequence reserving max_model_len slots as an engine without paging must.
   continuous_batching: bool = True
-  attention_backend: str | None = None  # None: by platform (reference on CPU, Pallas elsewhere)
+  attention_backend: str | None = None  # None: by platform (xla on CPU, Pallas elsewhere)
   matmul_backend: str | None = None  # int8 matmul, likewise
   interpret: bool = False  # run Pallas kernels in interpret mode (CPU testing)
   quantization: str | None = None  # None, "int8" (W8A16) or "w8a8"; applied at load time
+  # Run the layer stack under a scan (compiles in seconds) or unrolled (each matmul reads its
+  # weights in place). None: by platform, see `resolved_scan_layers`.
+  scan_layers: bool | None = None
   # Requests may ask for prompt_logprobs: compiles a second step variant per bucket that
   # projects every row to logits, used only by steps that carry such a request.
   enable_prompt_logprobs: bool = False
@@ -33,6 +46,11 @@ class EngineConfig:
     if self.max_num_batched_tokens & (self.max_num_batched_tokens - 1):
       raise ValueError("max_num_batched_tokens must be a power of two (it is the largest bucket)")
 
+  def for_model(self, model: ModelConfig) -> "EngineConfig":
+    """This config with `max_model_len` capped by what the model supports."""
+    return dataclasses.replace(self, max_model_len=min(self.max_model_len,
+                                                       model.max_position_embeddings))
+
   @property
   def max_pages_per_seq(self) -> int:
     return -(-self.max_model_len // self.page_size)
@@ -45,3 +63,40 @@ class EngineConfig:
       return self.num_pages
     half = -(-self.max_model_len // 2 // self.page_size)
     return 1 + max(self.max_pages_per_seq, self.max_num_seqs * half)
+
+  def resolved_scan_layers(self) -> bool:
+    # XLA:CPU copies a scanned layer's weights out of the stack before each matmul; there the
+    # unrolled stack decodes faster. Accelerators fuse the slice, and scanning compiles once.
+    return self.scan_layers if self.scan_layers is not None else jax.default_backend() != "cpu"
+
+  def scheduler_config(self) -> SchedulerConfig:
+    return SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                           max_num_batched_tokens=self.max_num_batched_tokens,
+                           max_prefill_seqs=self.max_prefill_seqs,
+                           max_pages_per_seq=self.max_pages_per_seq,
+                           continuous_batching=self.continuous_batching)
+
+  def buckets(self) -> Buckets:
+    return Buckets(max_num_seqs=self.max_num_seqs,
+                   max_num_batched_tokens=self.max_num_batched_tokens,
+                   max_prefill_seqs=self.max_prefill_seqs,
+                   max_pages_per_seq=self.max_pages_per_seq, max_model_len=self.max_model_len)
+
+  def kv_spec(self, model: ModelConfig, dtype) -> KVCacheSpec:
+    return KVCacheSpec(num_layers=model.num_layers, num_pages=self.resolved_num_pages(),
+                       page_size=self.page_size, num_kv_heads=model.num_kv_heads,
+                       head_dim=model.head_dim, dtype=dtype)
+
+  def kernel_options(self) -> KernelOptions:
+    return KernelOptions(attention=self.attention_backend or default_backend(),
+                         matmul=self.matmul_backend or _default_matmul_backend(),
+                         interpret=self.interpret, quantization=self.quantization)
+
+
+def _default_matmul_backend() -> str:
+  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "reference")
+
+
+def default_dtype():
+  """float32 on the CPU (XLA:CPU's bf16 matvec is ~15x slower), bfloat16 on accelerators."""
+  return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16

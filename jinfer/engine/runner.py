@@ -11,9 +11,9 @@ from flax import struct
 
 from jinfer.config import ModelConfig
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
-from jinfer.models import CausalLM
+from jinfer.models import CausalLM, unstack_layers
 from jinfer.models.kernel_options import KernelOptions
-from jinfer.quant.int8 import param_bytes
+from jinfer.quant.qarray import param_bytes
 from jinfer.sample import SampleOutput, sample
 from jinfer.sampling_params import MAX_LOGPROBS
 from pallas_kernels import KVCacheSpec
@@ -26,43 +26,56 @@ class PromptLogprobs:
   top_logprobs: jax.Array  # [T, MAX_LOGPROBS] float32
 
 
-def _step(model: CausalLM, params, kv_caches, inp: StepInput):
+@struct.dataclass
+class StepOutput:
+  sample: SampleOutput  # one token per sequence
+  hidden: jax.Array | None  # [S, E]: final hidden states of the sampled rows, when asked for
+  prompt_logprobs: PromptLogprobs | None  # when the step carries prompt_logprobs requests
+
+
+def _step(model: CausalLM, return_hidden: bool, params, kv_cache, inp: StepInput) -> tuple:
+  apply = functools.partial(model.apply, {"params": params}, inp.token_ids, inp.positions,
+                            kv_cache, inp.md, return_hidden=return_hidden)
   if not inp.prompt_logprobs:
-    logits, kv_caches = model.apply({"params": params}, inp.token_ids, inp.positions, kv_caches,
-                                    inp.md, inp.logits_indices)  # [S, V]
-    return sample(logits, inp.sampling), None, kv_caches
-  rows, kv_caches = model.apply({"params": params}, inp.token_ids, inp.positions, kv_caches,
-                                inp.md)  # [T, V]
+    logits, hidden, kv_cache = apply(inp.logits_indices)  # [S, V]
+    return StepOutput(sample(logits, inp.sampling), hidden, None), kv_cache
+  rows, hidden, kv_cache = apply()  # [T, V]
   lp = jax.nn.log_softmax(rows, axis=-1)
   top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
   target = jnp.take_along_axis(lp, inp.target_ids[:, None], axis=-1)[:, 0]
-  return (sample(rows[inp.logits_indices], inp.sampling),
-          PromptLogprobs(target=target, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp),
-          kv_caches)
+  return StepOutput(
+      sample(rows[inp.logits_indices], inp.sampling),
+      None if hidden is None else hidden[inp.logits_indices],
+      PromptLogprobs(target=target, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp),
+  ), kv_cache
 
 
 class ModelRunner:
+  """`params` in the stacked layout; `scan_layers=False` runs the unrolled stack over per-layer
+  copies (made once here, the stacked arrays then dropped)."""
 
   def __init__(self, config: ModelConfig, params: dict, spec: KVCacheSpec, buckets: Buckets, *,
-               kernels: KernelOptions, dtype):
-    self.config, self.params, self.spec, self.buckets = config, params, spec, buckets
-    self.model = CausalLM(config, kernels, dtype=dtype)
-    self.kv_caches = spec.allocate()
+               kernels: KernelOptions, dtype, scan_layers: bool, return_hidden: bool = False):
+    self.config, self.spec, self.buckets = config, spec, buckets
+    self.model = CausalLM(config, kernels, dtype=dtype, scan_layers=scan_layers)
+    self.params = params if scan_layers else unstack_layers(params, config.num_layers)
+    self.kv_cache = spec.allocate()
     self.cache_resets = 0  # times a failed step consumed the cache and it was rebuilt empty
     # The cache is donated: XLA updates it in place instead of copying it every step.
-    self._step = jax.jit(functools.partial(_step, self.model), donate_argnums=(1,))
+    self._step = jax.jit(functools.partial(_step, self.model, return_hidden),
+                         donate_argnums=(1,))
 
-  def run(self, inp: StepInput) -> tuple[SampleOutput, PromptLogprobs | None]:
+  def run(self, inp: StepInput) -> StepOutput:
     try:
-      out, prompt_lp, self.kv_caches = self._step(self.params, self.kv_caches, inp)
+      out, self.kv_cache = self._step(self.params, self.kv_cache, inp)
     except Exception:
       # The cache was donated to the failed call: if XLA consumed it, start from an empty one
       # (the caller must then treat every cached token as gone).
-      if any(c.is_deleted() for c in self.kv_caches):
-        self.kv_caches = self.spec.allocate()
+      if self.kv_cache.is_deleted():
+        self.kv_cache = self.spec.allocate()
         self.cache_resets += 1
       raise
-    return jax.tree.map(np.asarray, (out, prompt_lp))
+    return jax.tree.map(np.asarray, out)
 
   def warmup(self, with_prompt_logprobs: bool = False) -> float:
     """Compile every bucket by running an all-padding step of each shape; returns seconds."""
@@ -77,4 +90,4 @@ class ModelRunner:
 
   @property
   def kv_cache_bytes(self) -> int:
-    return sum(x.size * x.dtype.itemsize for x in self.kv_caches)
+    return self.kv_cache.nbytes

@@ -16,7 +16,7 @@ from flax import struct
 
 from jinfer.engine.request import Sequence
 from jinfer.engine.scheduler import ScheduledBatch
-from jinfer.models import AttentionMetadata
+from pallas_kernels import AttentionMetadata
 from jinfer.sample import SamplingTensors
 
 MAX_BANNED = 16  # EOS and stop token ids suppressed while min_tokens is not reached

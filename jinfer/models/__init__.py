@@ -1,5 +1,5 @@
 """Model stack: pure functions of (params, tokens, positions, kv cache, attention metadata)."""
-from jinfer.models.attention_metadata import AttentionMetadata
-from jinfer.models.llama import CausalLM, logical_axes
+from jinfer.models.llama import (CausalLM, linear_kernels, logical_axes, param_shapes,
+                                 unstack_layers)
 
-__all__ = ["AttentionMetadata", "CausalLM", "logical_axes"]
+__all__ = ["CausalLM", "linear_kernels", "logical_axes", "param_shapes", "unstack_layers"]

@@ -8,7 +8,7 @@ QUANTIZATIONS = (None, "int8", "w8a8")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelOptions:
-  attention: str = "reference"  # ragged_paged_attention backend
+  attention: str = "xla"  # ragged_paged_attention backend
   matmul: str = "reference"  # int8_matmul backend (used only when quantized)
   interpret: bool = False  # Pallas kernels in interpret mode (CPU testing)
   # None: float weights. "int8": int8 weights with per-output-channel scales, float activations

@@ -1,9 +1,22 @@
 """Decoder-only Llama family in flax.linen: Llama 2/3/3.1, Mistral, Qwen2, Qwen3.
 
 The differences are config switches: q/k/v biases (Qwen2), q/k RMSNorm (Qwen3), per-layer
-sliding windows (Mistral), rope scaling (Llama 3.1), tied embeddings, GQA/MQA by head counts.
-Every param is created with its logical axis names; `logical_axes(config)` reads them back so
-sharding rules can map them to a mesh.
+sliding windows (Mistral, Qwen2), rope scaling (Llama 3.1), tied embeddings, GQA/MQA by head
+counts. Per-layer differences (a layer's window) are scanned values, never Python branches.
+
+The layer stack has one params layout: every per-layer param stacked on a leading `layers` axis
+(`params["layers"]`). It runs two ways over it:
+  * scanned (`scan_layers=True`): `nn.scan` over the stacked params, the KV cache in the carry.
+    One layer body to compile, so a step compiles in seconds.
+  * unrolled (`scan_layers=False`): a Python loop over `unstack_layers(params)`. On XLA:CPU a
+    scanned layer copies its weights out of the stack before each matmul (a dynamic slice feeds
+    no dot in place), which doubles a decode step's memory traffic; unrolled, each matmul reads
+    its weights where they are, at the price of compiling every layer.
+Either way one KV cache array holds every layer and is updated in place.
+
+Every param is created with its logical axis names (`logical_axes(config)`), and linear
+kernels with what contracts (`linear_kernels(config)`), so sharding rules and the quantizer work
+from declarations, never from parameter names.
 """
 from __future__ import annotations
 
@@ -13,13 +26,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jinfer.config import ModelConfig
-from jinfer.models.attention_metadata import AttentionMetadata
 from jinfer.models.kernel_options import KernelOptions
-from pallas_kernels import int8_matmul, ragged_paged_attention, write_kv
+from jinfer.quant.qarray import QArray
+from pallas_kernels import AttentionMetadata, int8_matmul, ragged_paged_attention, write_kv
 
 _init = nn.initializers.normal(0.02)
+NO_WINDOW = 1 << 30  # a per-layer window that never excludes a key
+
+
+class LinearKernel(nn.LogicallyPartitioned):
+  """A linear layer's kernel box: logical names plus how many leading (after any stacked
+  `layers`/`expert` axes) axes contract with the input and how many are outputs."""
+  n_in: int = struct.field(pytree_node=False, default=1)
+  n_out: int = struct.field(pytree_node=False, default=1)
 
 
 def _param(mod: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
@@ -30,8 +52,8 @@ def _param(mod: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, .
 class Linear(nn.Module):
   """y = x @ kernel over the leading `n_in` kernel axes. The one place weights multiply.
 
-  Quantized, the kernel is int8 with a float scale per output channel and the product goes
-  through the int8 matmul kernel.
+  Quantized, the kernel is a `QArray` (int8 values, a float scale per output channel) and the
+  product goes through the int8 matmul kernel.
   """
   shape: tuple[int, ...]
   axes: tuple[str, ...]
@@ -43,18 +65,22 @@ class Linear(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     out_shape = self.shape[self.n_in:]
+    n_out = len(out_shape)
     if self.kernels.quantization:
-      w = _param(self, "kernel", self.shape, self.axes, jnp.int8, nn.initializers.zeros)
-      scale = _param(self, "scale", out_shape, self.axes[self.n_in:], jnp.float32,
-                     nn.initializers.ones)
+      init = lambda _, shape, dtype: QArray(values=jnp.zeros(shape, jnp.int8),
+                                            scale=jnp.ones(shape[self.n_in:], jnp.float32),
+                                            n_in=self.n_in, n_out=n_out)
+    else:
+      init = _init
+    w = self.param("kernel", lambda *a: LinearKernel(init(*a), self.axes, n_in=self.n_in,
+                                                     n_out=n_out), self.shape, self.dtype)
+    if isinstance(w, QArray):
       k, n = int(np.prod(self.shape[:self.n_in])), int(np.prod(out_shape))
       lead = x.shape[:x.ndim - self.n_in]
-      interpret = self.kernels.interpret and self.kernels.matmul != "reference"
-      y = int8_matmul(x.reshape(-1, k), w.reshape(k, n), scale.reshape(n),
+      y = int8_matmul(x.reshape(-1, k), w.values.reshape(k, n), w.scale.reshape(n),
                       mode=self.kernels.matmul_mode, backend=self.kernels.matmul,
-                      interpret=interpret).reshape(lead + out_shape)
+                      interpret=self.kernels.interpret).reshape(lead + out_shape)
     else:
-      w = _param(self, "kernel", self.shape, self.axes, self.dtype)
       y = jnp.tensordot(x, w.astype(x.dtype), axes=self.n_in)
     if self.use_bias:
       y = y + _param(self, "bias", out_shape, self.axes[self.n_in:], self.dtype,
@@ -82,14 +108,20 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return (x * cos[:, None, :] + rot * sin[:, None, :]).astype(x.dtype)
 
 
+@struct.dataclass
+class LayerInputs:
+  """What differs from one layer to the next besides its params (scanned over)."""
+  index: jax.Array  # [] int32: the layer's slot in the KV cache
+  window: jax.Array | None  # [] int32 sliding window (NO_WINDOW: none); None: no layer has one
+
+
 class Attention(nn.Module):
   config: ModelConfig
-  layer_idx: int
   kernels: KernelOptions
   dtype: Any
 
   @nn.compact
-  def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata):
+  def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata, layer: LayerInputs):
     c, kn = self.config, self.kernels
     e, hq, hkv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     q = Linear((e, hq, d), ("embed", "q_heads", "head_dim"), kn, use_bias=c.attention_bias,
@@ -102,12 +134,10 @@ class Attention(nn.Module):
       q = RMSNorm(d, c.rms_norm_eps, self.dtype, name="q_norm")(q)
       k = RMSNorm(d, c.rms_norm_eps, self.dtype, name="k_norm")(k)
     q, k = rope(q, cos, sin), rope(k, cos, sin)
-    kv_cache = write_kv(kv_cache, k, v, md.slot_mapping)
-    o = ragged_paged_attention(
-        q, kv_cache, md.kv_lens, md.block_table, md.cu_q_lens, md.num_seqs,
-        sm_scale=d ** -0.5, sliding_window=c.sliding_windows[self.layer_idx],
-        max_q_len=md.max_q_len, max_prefill_seqs=md.max_prefill_seqs, backend=kn.attention,
-        **({"interpret": True} if kn.interpret and kn.attention != "reference" else {}))
+    kv_cache = write_kv(kv_cache, layer.index, k, v, md.slot_mapping)
+    o = ragged_paged_attention(q, kv_cache, md, layer=layer.index, sm_scale=d ** -0.5,
+                               sliding_window=layer.window, backend=kn.attention,
+                               interpret=kn.interpret)
     out = Linear((hq, d, e), ("q_heads", "head_dim", "embed"), kn, n_in=2, dtype=self.dtype,
                  name="o_proj")(o)  # [T, E]
     return out, kv_cache
@@ -129,36 +159,48 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
   config: ModelConfig
-  layer_idx: int
   kernels: KernelOptions
   dtype: Any
 
   @nn.compact
-  def __call__(self, x, cos, sin, kv_cache, md):
+  def __call__(self, carry, layer: LayerInputs, cos, sin, md):
+    x, kv_cache = carry  # [T, E], the whole cache
     c = self.config
-    h, kv_cache = Attention(c, self.layer_idx, self.kernels, self.dtype, name="attn")(
+    h, kv_cache = Attention(c, self.kernels, self.dtype, name="attn")(
         RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="input_norm")(x), cos, sin,
-        kv_cache, md)
+        kv_cache, md, layer)
     x = x + h
     x = x + MLP(c, self.kernels, self.dtype, name="mlp")(
         RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="post_attn_norm")(x))
-    return x, kv_cache
+    return (x, kv_cache), None
+
+
+def _layer_inputs(config: ModelConfig) -> LayerInputs:  # each field [L]
+  windows = config.sliding_windows
+  return LayerInputs(
+      index=jnp.arange(config.num_layers, dtype=jnp.int32),
+      window=None if all(w is None for w in windows) else jnp.asarray(
+          [NO_WINDOW if w is None else w for w in windows], jnp.int32))
 
 
 class CausalLM(nn.Module):
   config: ModelConfig
   kernels: KernelOptions = KernelOptions()
   dtype: Any = jnp.float32
+  scan_layers: bool = True
 
   @nn.compact
   def __call__(
       self,
       token_ids: jax.Array,  # [T] int32
       positions: jax.Array,  # [T] int32
-      kv_caches: list[jax.Array],  # per layer [num_pages, 2, Hkv, page_size, D]
+      kv_cache: jax.Array,  # [L, num_pages, 2, Hkv, page_size, D]
       md: AttentionMetadata,
       logits_indices: jax.Array | None = None,  # [S] rows to project to logits
-  ) -> tuple[jax.Array, list[jax.Array]]:  # logits [S or T, V] float32, new caches
+      return_hidden: bool = False,
+  ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """(logits [S or T, V] float32, final hidden states of the same rows [S or T, E] when
+    `return_hidden` (else None), the updated cache)."""
     c = self.config
     embed = _param(self, "embedding", (c.vocab_size, c.hidden_size), ("vocab", "embed"),
                    self.dtype)
@@ -167,11 +209,17 @@ class CausalLM(nn.Module):
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
     cos, sin = jnp.cos(emb).astype(self.dtype), jnp.sin(emb).astype(self.dtype)
-    new_caches = []
-    for i in range(c.num_layers):
-      x, cache = DecoderLayer(c, i, self.kernels, self.dtype, name=f"layers_{i}")(
-          x, cos, sin, kv_caches[i], md)
-      new_caches.append(cache)
+    layers = _layer_inputs(c)
+    if self.scan_layers:
+      stack = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                      length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+      (x, kv_cache), _ = stack(c, self.kernels, self.dtype, name="layers")(
+          (x, kv_cache), layers, cos, sin, md)
+    else:
+      for i in range(c.num_layers):
+        (x, kv_cache), _ = DecoderLayer(c, self.kernels, self.dtype, name=f"layers_{i}")(
+            (x, kv_cache), jax.tree.map(lambda a: a[i], layers), cos, sin, md)
     x = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="norm")(x)
     if logits_indices is not None:
       x = x[logits_indices]  # [S, E]
@@ -180,23 +228,42 @@ class CausalLM(nn.Module):
     else:
       logits = Linear((c.hidden_size, c.vocab_size), ("embed", "vocab"), self.kernels,
                       dtype=self.dtype, name="lm_head")(x)
-    return logits.astype(jnp.float32), new_caches
+    return logits.astype(jnp.float32), (x if return_hidden else None), kv_cache
 
 
-def _abstract_params(config: ModelConfig, dtype, kernels: KernelOptions = KernelOptions()) -> dict:
+def unstack_layers(params: dict, num_layers: int) -> dict:
+  """The stacked layout as the unrolled stack reads it: `layers` -> `layers_0`, `layers_1`, ...
+  (each leaf a separate array, so no layer's weights are sliced out of a stack at run time)."""
+  out = {k: v for k, v in params.items() if k != "layers"}
+  for i in range(num_layers):
+    out[f"layers_{i}"] = jax.tree.map(lambda a: a[i], params["layers"])
+  return out
+
+
+def _abstract_params(config: ModelConfig, dtype=jnp.float32,
+                     kernels: KernelOptions = KernelOptions()) -> dict:
   """Params as boxed ShapeDtypeStructs, traced from init without allocating anything."""
   t = jnp.zeros((1,), jnp.int32)
   md = AttentionMetadata(slot_mapping=t, block_table=jnp.zeros((1, 1), jnp.int32), kv_lens=t + 1,
                          cu_q_lens=jnp.array([0, 1], jnp.int32), num_seqs=t + 1)
-  cache = [jnp.zeros((1, 2, config.num_kv_heads, 1, config.head_dim))] * config.num_layers
-  return jax.eval_shape(CausalLM(config, kernels, dtype=dtype).init, jax.random.key(0), t, t, cache,
-                        md)["params"]
+  cache = jnp.zeros((config.num_layers, 1, 2, config.num_kv_heads, 1, config.head_dim))
+  return jax.eval_shape(CausalLM(config, kernels, dtype=dtype).init, jax.random.key(0), t, t,
+                        cache, md)["params"]
+
+
+_is_box = lambda b: isinstance(b, nn.Partitioned)
 
 
 def logical_axes(config: ModelConfig) -> dict:
   """The params tree with each leaf replaced by its logical axis names."""
-  return jax.tree.map(lambda b: b.names, _abstract_params(config, jnp.float32),
-                      is_leaf=lambda b: isinstance(b, nn.Partitioned))
+  return jax.tree.map(lambda b: b.names, _abstract_params(config), is_leaf=_is_box)
+
+
+def linear_kernels(config: ModelConfig) -> dict:
+  """The params tree with each linear kernel replaced by its `(n_in, n_out)`, other leaves by
+  None: what the quantizer reads."""
+  return jax.tree.map(lambda b: (b.n_in, b.n_out) if isinstance(b, LinearKernel) else None,
+                      _abstract_params(config), is_leaf=_is_box)
 
 
 def param_shapes(config: ModelConfig, dtype=jnp.float32) -> dict:

@@ -14,15 +14,18 @@ from jinfer.weights.safetensors_dir import load_safetensors_dir
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def load_model(model: str, dtype=jnp.float32) -> tuple[ModelConfig, dict, Tokenizer]:
-  """`model`: a built-in name, an HF directory (config.json + safetensors), or a .gguf file."""
+def load_model(model: str, dtype=jnp.float32, *,
+               load_tokenizer: bool = True) -> tuple[ModelConfig, dict, Tokenizer | None]:
+  """`model`: a built-in name, an HF directory (config.json + safetensors), or a .gguf file.
+  Without `load_tokenizer` the tokenizer is None (token-id prompts only)."""
   if is_builtin(model):
     model = builtin_gguf_path(model)
   if os.path.isfile(model) and model.endswith(".gguf"):
     config, params = load_gguf(model, dtype)
-    return config, params, Tokenizer.from_gguf(model)
+    return config, params, Tokenizer.from_gguf(model) if load_tokenizer else None
   if os.path.isdir(model):
     config = ModelConfig.from_hf_dir(model)
-    return config, load_safetensors_dir(model, config, dtype), Tokenizer.from_dir(model)
+    return (config, load_safetensors_dir(model, config, dtype),
+            Tokenizer.from_dir(model) if load_tokenizer else None)
   raise ValueError(f"model {model!r} is not a built-in name ({', '.join(BUILTIN_MODELS)}), "
                    f"an HF model directory, or a .gguf file")

@@ -1,16 +1,13 @@
-"""Pure-jnp ragged paged attention: the CPU path and the oracle for every kernel.
-
-Queries of all sequences are packed flat (`q [T, Hq, D]`, sequence s owns rows
-`cu_q_lens[s]:cu_q_lens[s+1]`). Each sequence's queries are the last `q_len` positions of its
-`kv_len` tokens, so prefill, chunked prefill and decode are one case.
+"""Ragged paged attention in tuned pure jnp: the path that runs on XLA:CPU.
 
 Every row's keys split in two, each with its own online softmax, merged at the end:
-  * this step's keys (the last `q_len` of the sequence): they sit in the flat batch beside the
-    queries, so tiles of rows attend to earlier tiles block-causally, from the tile where the
-    row's sequence starts. No page is gathered and no padding row is computed.
-  * the context (keys cached by earlier steps): a decode's single row reads it a block of pages
-    at a time for all sequences at once; a prefill chunk's rows read it per sequence, tile by
-    tile. Loops stop at the longest context, so cost follows the batch, not `max_model_len`.
+  * this step's keys (the last `q_len` of each sequence): they sit in the flat batch beside the
+    queries, so tiles of rows attend to earlier tiles block-causally (or by the tree mask), from
+    the tile where the row's sequence starts. No page is gathered and no padding row is computed.
+  * the context (keys cached by earlier steps): decode and verify rows (`q_len <= verify_width`)
+    read it a block of pages at a time for all those sequences at once, `verify_width` row slots
+    each; a prefill chunk's rows read it per sequence, tile by tile. Loops stop at the longest
+    context, so cost follows the batch, not `max_model_len`.
 On XLA:CPU (2 cores, SmolLM2 heads) this took one layer's 512-token prefill from 20.5 ms to
 5.6 ms and a step of 448 prefill rows beside 63 decodes from 23.9 to 10.5 ms, against padding
 every prefill chunk to `T` rows over all of its keys.
@@ -19,6 +16,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.attention_metadata import AttentionMetadata
 
 _NEG_INF = -1e30
 
@@ -44,42 +43,42 @@ def _merge(a, b):
 
 def ragged_paged_attention_xla(
     q: jax.Array,  # [T, Hq, D]
-    kv_cache: jax.Array,  # [num_pages, 2, Hkv, page_size, D]
-    kv_lens: jax.Array,  # [S] int32
-    page_indices: jax.Array,  # [S, P] int32
-    cu_q_lens: jax.Array,  # [S+1] int32
-    num_seqs: jax.Array,  # [1] int32
+    kv_cache: jax.Array,  # [L, num_pages, 2, Hkv, page_size, D]
+    md: AttentionMetadata,
     *,
+    layer: jax.Array | int = 0,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
-    max_q_len: int | None = None,
-    max_prefill_seqs: int | None = None,
+    return_softmax_state: bool = False,
     block_q: int = 256,
     pages_per_block: int | None = None,
-) -> jax.Array:  # [T, Hq, D]
-  """`max_q_len` bounds any sequence's query count (static; 1 skips the prefill paths) and
-  `max_prefill_seqs` how many sequences have more than one query (static; default S).
-  `block_q` is the row tile (256 measured best on XLA:CPU); `pages_per_block` how many pages
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [T, Hq, D] (, lse [T, Hq] float32)
+  """`block_q` is the row tile (256 measured best on XLA:CPU); `pages_per_block` how many pages
   of each sequence one step of the context loops reads (default: by batch size)."""
   t, hq, d = q.shape
+  page_indices = md.block_table
   s_max, p_max = page_indices.shape
-  _, _, hkv, page_size, _ = kv_cache.shape
+  _, _, _, hkv, page_size, _ = kv_cache.shape
   gq = hq // hkv
-  multi_query = t > 1 and (max_q_len is None or max_q_len > 1)  # else no prefill chunk exists
-  sp = s_max if max_prefill_seqs is None else min(max_prefill_seqs, s_max)
+  w = md.verify_width
+  max_q = md.max_q_len
+  multi_query = t > w and (max_q is None or max_q > w)  # else no prefill chunk exists
+  sp = s_max if md.max_prefill_seqs is None else min(md.max_prefill_seqs, s_max)
   f32 = jnp.float32
 
   def scores(qt, k, spec):
     x = jnp.einsum(spec, qt, k) * sm_scale
     return x if soft_cap is None else soft_cap * jnp.tanh(x / soft_cap)
 
-  def load(*idx):  # K and V at kv_cache[page_idx, {0, 1}, *rest], float32, dequantized
+  def load(pages, *rest):  # K and V at kv_cache[layer, page, {0, 1}, *rest], float32, dequantized
     # K and V are gathered apart: gathering whole pages and slicing them apart costs a copy.
-    k = kv_cache[(idx[0], 0) + idx[1:]].astype(f32)
-    v = kv_cache[(idx[0], 1) + idx[1:]].astype(f32)
+    # Absent pages (negative ids) read page 0; callers mask their keys.
+    pages = jnp.maximum(pages, 0)
+    k = kv_cache[(layer, pages, 0) + rest].astype(f32)
+    v = kv_cache[(layer, pages, 1) + rest].astype(f32)
     return (k if k_scale is None else k * k_scale), (v if v_scale is None else v * v_scale)
 
   def window(kpos, qpos):  # keys a query at qpos may see, besides causality
@@ -87,30 +86,41 @@ def ragged_paged_attention_xla(
 
   def blocked_table(ppb):  # the page table padded to whole blocks of ppb pages; keys per block
     ppb = min(ppb, p_max)
-    return ppb, jnp.pad(page_indices, ((0, 0), (0, -p_max % ppb))), ppb * page_size
+    return ppb, jnp.pad(page_indices, ((0, 0), (0, -p_max % ppb)), constant_values=-1), \
+        ppb * page_size
 
   empty = lambda *lead: (jnp.full(lead, _NEG_INF, f32), jnp.zeros(lead, f32),
                          jnp.zeros(lead + (d,), f32))  # (m, l, acc) of rows that saw no key
 
   # Per sequence and per row bookkeeping; entries past num_seqs may hold junk.
-  n = num_seqs[0]
+  n = md.num_seqs[0]
   live = jnp.arange(s_max) < n
-  total = cu_q_lens[n]
-  starts = jnp.where(live, cu_q_lens[:-1], total)  # [S]
-  q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [S]
-  ctx_lens = jnp.where(live, kv_lens - q_lens, 0)  # [S] keys cached before this step
+  cu = md.cu_q_lens
+  total = cu[n]
+  starts = jnp.where(live, cu[:-1], total)  # [S]
+  q_lens = jnp.where(live, cu[1:] - cu[:-1], 0)  # [S]
+  ctx_lens = jnp.where(live, md.kv_lens - q_lens, 0)  # [S] keys cached before this step
+  is_short = live & (q_lens <= w)  # [S] decode and verify sequences
   rows = jnp.arange(t)
   row_live = rows < total  # [T]
   seg = jnp.clip(jnp.searchsorted(starts, rows, side="right") - 1, 0, s_max - 1)  # [T]
-  pos = ctx_lens[seg] + rows - starts[seg]  # [T] position of each row's token
+  idx = rows - starts[seg]  # [T] index among the sequence's new rows
+  slot_pos = jnp.where(row_live, ctx_lens[seg] + idx, 0)  # [T] where the row's K/V is stored
+  tree = None if md.tree_mask is None else md.tree_mask.astype(bool)  # [T, W]
+  if tree is None:
+    pos = slot_pos
+  else:  # a tree row's position is its depth past the context
+    in_seq = jnp.arange(w)[None, :] < q_lens[seg][:, None]
+    depth = jnp.where(is_short[seg], jnp.sum(tree & in_seq, axis=1) - 1, idx)
+    pos = jnp.where(row_live, ctx_lens[seg] + depth, 0)  # [T]
   qf = q.astype(f32).reshape(t, hkv, gq, d)
 
   # This step's keys, read back from the slots the step wrote them to (so a quantized cache
   # is seen exactly as later steps will see it).
-  slot_pos = jnp.where(row_live, pos, 0)
   page = page_indices[seg, slot_pos // page_size]  # [T]
   k_new, v_new = load(page, slice(None), slot_pos % page_size)  # [T, Hkv, D] each
-  v_new = jnp.where(row_live[:, None, None], v_new, 0.0)
+  key_live = row_live & (page >= 0)  # [T] keys on absent pages are skipped
+  v_new = jnp.where(key_live[:, None, None], v_new, 0.0)
 
   # -- 1. this step's keys: row tile i attends to tiles j <= i from its first row's sequence.
   bq = min(block_q, t)
@@ -121,18 +131,27 @@ def ragged_paged_attention_xla(
   # Heads lead, so each tile's products are plain batched matmuls over [Gq*bq, D] rows.
   q_p = padded(qf).transpose(1, 2, 0, 3)  # [Hkv, Gq, T', D]
   k_p, v_p = padded(k_new).transpose(1, 0, 2), padded(v_new).transpose(1, 0, 2)  # [Hkv, T', D]
-  seg_p, pos_p, live_p = padded(seg, -1), padded(pos), padded(row_live, False)
+  seg_p, idx_p, pos_p = padded(seg, -1), padded(idx), padded(pos)
+  live_p, key_live_p = padded(row_live, False), padded(key_live, False)
+  short_p = padded(is_short[seg], False)
+  tree_p = None if tree is None else padded(tree, False)  # [T', W]
 
   def self_tile(i, out):
     sl = lambda x, axis=0: jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis)
-    qt, seg_q, pos_q, live_q = sl(q_p, 2), sl(seg_p), sl(pos_p), sl(live_p)
+    qt, seg_q, idx_q, pos_q, live_q = sl(q_p, 2), sl(seg_p), sl(idx_p), sl(pos_p), sl(live_p)
     first = starts[seg_q[0]] // bq
 
     def body(c):
       j, st = c
       sk = lambda x, axis=0: jax.lax.dynamic_slice_in_dim(x, j * bq, bq, axis)
-      mask = ((seg_q[:, None] == sk(seg_p)[None, :]) & (sk(pos_p)[None, :] <= pos_q[:, None])
-              & live_q[:, None] & window(sk(pos_p)[None, :], pos_q[:, None]))
+      idx_k = sk(idx_p)
+      sees = idx_k[None, :] <= idx_q[:, None]  # [bq, bq] causal
+      if tree_p is not None:
+        bit = jnp.take_along_axis(sl(tree_p), jnp.broadcast_to(
+            jnp.clip(idx_k, 0, w - 1)[None, :], (bq, bq)), axis=1)
+        sees = jnp.where(sl(short_p)[:, None], bit, sees)
+      mask = ((seg_q[:, None] == sk(seg_p)[None, :]) & sees & live_q[:, None]
+              & sk(key_live_p)[None, :] & window(sk(pos_p)[None, :], pos_q[:, None]))
       return j + 1, _update(st, scores(qt, sk(k_p, 1), "hxqd,hkd->hxqk"), mask,
                             lambda p: jnp.einsum("hxqk,hkd->hxqd", p, sk(v_p, 1)))
 
@@ -143,45 +162,51 @@ def ragged_paged_attention_xla(
 
   self_state = jax.lax.fori_loop(0, n_tiles, self_tile, empty(hkv, gq, t + pad))
 
-  # -- 2. context of decode rows: one row per sequence, a block of pages of all at once.
-  # Measured on XLA:CPU: ~1024 keys per block over all sequences balances loop overhead against
-  # the size of each gathered block (32 keys per sequence for 64 sequences, 128 for 8).
+  # -- 2. context of decode and verify rows: w row slots per sequence, a block of pages of all
+  # sequences at once. Measured on XLA:CPU: ~1024 keys per block over all sequences balances loop
+  # overhead against the size of each gathered block (32 keys per sequence for 64 sequences, 128
+  # for 8).
   ppb, table, bk = blocked_table(
       pages_per_block or max(1, max(32, min(128, 1024 // s_max)) // page_size))
-  is_dec = q_lens == 1
-  dec_ctx = jnp.where(is_dec, ctx_lens, 0)  # [S]
-  dec_rows = jnp.minimum(starts, t - 1)
-  qd, dpos = qf[dec_rows], pos[dec_rows]  # [S, Hkv, Gq, D], [S]
+  short_ctx = jnp.where(is_short, ctx_lens, 0)  # [S]
+  srow = starts[:, None] + jnp.arange(w)[None, :]  # [S, W]
+  srow_live = is_short[:, None] & (jnp.arange(w)[None, :] < q_lens[:, None])
+  srow_c = jnp.minimum(srow, t - 1)
+  qs, spos = qf[srow_c], pos[srow_c]  # [S, W, Hkv, Gq, D], [S, W]
 
-  def dec_block(c):
+  def short_block(c):
     blk, st = c
-    k, v = load(jax.lax.dynamic_slice_in_dim(table, blk * ppb, ppb, axis=1))  # [S,Pb,Hkv,ps,D]
+    pages = jax.lax.dynamic_slice_in_dim(table, blk * ppb, ppb, axis=1)  # [S, Pb]
+    k, v = load(pages)  # [S, Pb, Hkv, ps, D]
     kpos = (blk * bk + jnp.arange(bk)).reshape(ppb, page_size)
-    valid = kpos[None] < dec_ctx[:, None, None]  # [S, Pb, ps]
+    valid = (kpos[None] < short_ctx[:, None, None]) & (pages >= 0)[:, :, None]  # [S, Pb, ps]
     v = jnp.where(valid[:, :, None, :, None], v, 0.0)
-    mask = valid & window(kpos[None], dpos[:, None, None])
-    sc = scores(qd, k, "ghxd,gphsd->ghxps")
-    pv = lambda p: jnp.einsum("ghxps,gphsd->ghxd", p.reshape(sc.shape), v)
-    return blk + 1, _update(st, sc.reshape(s_max, hkv, gq, bk), mask.reshape(s_max, 1, 1, bk), pv)
+    mask = valid[:, None] & window(kpos[None, None], spos[:, :, None, None])  # [S, W, Pb, ps]
+    sc = scores(qs, k, "swhxd,sphkd->swhxpk")
+    pv = lambda p: jnp.einsum("swhxpk,sphkd->swhxd", p.reshape(sc.shape), v)
+    return blk + 1, _update(st, sc.reshape(s_max, w, hkv, gq, bk),
+                            jnp.broadcast_to(mask, (s_max, w, ppb, page_size))
+                            .reshape(s_max, w, 1, 1, bk), pv)
 
-  n_blk = (jnp.max(dec_ctx, initial=0) + bk - 1) // bk
-  _, dec = jax.lax.while_loop(lambda c: c[0] < n_blk, dec_block,
-                              (jnp.int32(0), empty(s_max, hkv, gq)))
+  n_blk = (jnp.max(short_ctx, initial=0) + bk - 1) // bk
+  _, short = jax.lax.while_loop(lambda c: c[0] < n_blk, short_block,
+                                (jnp.int32(0), empty(s_max, w, hkv, gq)))
   # Scatter to rows [Hkv, Gq, T']; rows of other sequences keep an empty state.
-  tgt = jnp.where(is_dec & live, dec_rows, t + pad)
-  ctx_state = tuple(base.at[:, :, tgt].set(jnp.moveaxis(x, 0, 2), mode="drop")
-                    for base, x in zip(empty(hkv, gq, t + pad), dec))
+  tgt = jnp.where(srow_live, srow, t + pad).reshape(-1)  # [S*W]
+  ctx_state = tuple(base.at[:, :, tgt].set(jnp.moveaxis(x.reshape((s_max * w,) + x.shape[2:]),
+                                                        0, 2), mode="drop")
+                    for base, x in zip(empty(hkv, gq, t + pad), short))
 
-  # -- 3. context of prefill chunks: per sequence with several queries and a cached context,
+  # -- 3. context of prefill chunks: per sequence with more than w queries and a cached context,
   # row tiles of it against blocks of its pages.
   if multi_query:
-    (multi,) = jnp.nonzero((q_lens > 1) & (ctx_lens > 0), size=sp, fill_value=s_max)
+    (multi,) = jnp.nonzero((q_lens > w) & (ctx_lens > 0), size=sp, fill_value=s_max)
     n_multi = jnp.sum(multi < s_max)
     pbq, table_q, bkq = blocked_table(pages_per_block or max(1, 128 // page_size))
 
     def seq_body(c):
-      idx, st_all = c
-      sq = multi[idx]
+      i_seq, st_all = c
+      sq = multi[i_seq]
       start, ql, cl = starts[sq], q_lens[sq], ctx_lens[sq]
 
       def tile_body(c2):
@@ -194,9 +219,10 @@ def ragged_paged_attention_xla(
 
         def kv_body(c3):
           kb, st = c3
-          k, v = load(jax.lax.dynamic_slice_in_dim(table_q[sq], kb * pbq, pbq))  # [Pb,Hkv,ps,D]
+          pages = jax.lax.dynamic_slice_in_dim(table_q[sq], kb * pbq, pbq)  # [Pb]
+          k, v = load(pages)  # [Pb, Hkv, ps, D]
           kpos = kb * bkq + jnp.arange(bkq)
-          valid = kpos < cl
+          valid = (kpos < cl) & jnp.repeat(pages >= 0, page_size)
           k = k.transpose(1, 0, 2, 3).reshape(hkv, bkq, d)
           v = jnp.where(valid[:, None], v.transpose(1, 0, 2, 3).reshape(hkv, bkq, d), 0.0)
           mask = valid[None, :] & in_seq[:, None] & window(kpos[None, :], qpos_t[:, None])
@@ -214,11 +240,15 @@ def ragged_paged_attention_xla(
         return ti + 1, st_all
 
       _, st_all = jax.lax.while_loop(lambda c2: c2[0] * bq < ql, tile_body, (jnp.int32(0), st_all))
-      return idx + 1, st_all
+      return i_seq + 1, st_all
 
     _, ctx_state = jax.lax.while_loop(lambda c: c[0] < n_multi, seq_body,
                                       (jnp.int32(0), ctx_state))
 
-  _, l, acc = _merge(self_state, ctx_state)
+  m, l, acc = _merge(self_state, ctx_state)
   o = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # [Hkv, Gq, T', D]; padding rows come out 0
-  return o[:, :, :t].transpose(2, 0, 1, 3).reshape(t, hq, d).astype(q.dtype)
+  o = o[:, :, :t].transpose(2, 0, 1, 3).reshape(t, hq, d).astype(q.dtype)
+  if not return_softmax_state:
+    return o
+  lse = jnp.where(l > 0.0, m + jnp.log(jnp.where(l > 0.0, l, 1.0)), -jnp.inf)  # [Hkv, Gq, T']
+  return o, lse[:, :, :t].transpose(2, 0, 1).reshape(t, hq)

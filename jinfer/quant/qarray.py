@@ -1,0 +1,56 @@
+"""Quantized weights as a pytree leaf type, and the quantizer that makes them.
+
+A `QArray` holds int8 values (room for int4 later), one float32 scale per output channel, and how
+many of its axes contract with the input. Any leading axes (a stacked `layers` axis, an `expert`
+axis) are batch axes: every layer's and every expert's channels get their own scales, so nothing
+is ever mixed across them. Which weights quantize, and over which axes, comes from what each
+linear layer declares about its kernel (`LinearKernel` boxes, see `jinfer/models/llama.py`), never
+from parameter names.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from pallas_kernels import quantize_per_channel
+
+
+@struct.dataclass
+class QArray:
+  values: jax.Array  # [lead..., in..., out...] int8
+  scale: jax.Array  # [lead..., out...] float32
+  n_in: int = struct.field(pytree_node=False)  # how many axes after `lead` contract
+  n_out: int = struct.field(pytree_node=False)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.values.shape
+
+  @property
+  def nbytes(self) -> int:
+    return self.values.nbytes + self.scale.nbytes
+
+
+def quantize(w: jax.Array, n_in: int, n_out: int) -> QArray:
+  """Per-output-channel symmetric int8 over the `n_in` contracting axes of w
+  `[lead..., in..., out...]`."""
+  lead = w.shape[:w.ndim - n_in - n_out]
+  ins, outs = w.shape[len(lead):len(lead) + n_in], w.shape[w.ndim - n_out:]
+  k, n = int(np.prod(ins)), int(np.prod(outs))
+  flat = jnp.asarray(w, jnp.float32).reshape((-1, k, n))  # [B, K, N]
+  q, scale = jax.vmap(quantize_per_channel)(flat)  # [B, K, N] int8, [B, N]
+  return QArray(values=q.reshape(w.shape), scale=scale.reshape(lead + outs), n_in=n_in,
+                n_out=n_out)
+
+
+def quantize_params(params: dict, kernels: dict) -> dict:
+  """Quantize every leaf that `kernels` (the params tree with each linear kernel's
+  `(n_in, n_out)`, None elsewhere) marks as a linear layer's kernel."""
+  return jax.tree.map(lambda w, k: w if k is None else quantize(w, *k), params, kernels,
+                      is_leaf=lambda x: x is None)
+
+
+def param_bytes(params: dict) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(params))
