@@ -18,6 +18,25 @@ Grid: (work item, KV head). A work item is up to `block_rows // G` query tokens 
 chunks several. Each program loads its `[R, D]` query group (rows t*G+g, R a power of two >= 16,
 the smallest MMA), loops over blocks of pages up to its last query's position (from the sliding
 window's start when there is one), and keeps the f32 online-softmax state in registers.
+
+The cache holds every layer in one array; the kernel views it as rows
+`[L*num_pages*2*Hkv*page_size, D]` (a free reshape) and offsets its row indices by the layer's
+first row, so no layer is sliced out and the layer may be traced. Row indices are int32 (the
+wrapper checks the row count fits); Triton turns them into 64-bit offsets for caches over 4 GiB.
+
+The rest of the contract (`AttentionMetadata`):
+- K and V are masked loads: keys past kv_len and keys of absent pages (negative block-table
+  entries) are not loaded and read as 0, so stale or NaN slots never reach the accumulator.
+- Tree mask: each row's bits come packed into int32 words with the row's window lag
+  (`schedule.tree_rows`), laid out as `[NW+1, T*G]` rows; a new key is seen iff causal and its bit
+  is set. Cost: a few `[R, BK]` integer ops per KV block per 32 columns of `verify_width`, and a
+  window loop for tree sequences that starts at their context length. Without a tree mask none
+  of this is emitted.
+- The sliding window is a scalar operand, so it may be traced; `None` (static) emits no window
+  code at all.
+- With `return_softmax_state`, a second output `[Hkv, T*G]` f32 holds each row's m + log(l),
+  -inf for rows that saw no key (it is aliased with -inf, as the output is with zeros, so rows no
+  program owns keep that).
 """
 from __future__ import annotations
 
@@ -30,8 +49,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention_metadata import AttentionMetadata
-from pallas_kernels.ragged_paged_attention.schedule import (sanitize_cu_q_lens, seq_q_blocks, tree_rows,
-                                                            window_operand)
+from pallas_kernels.ragged_paged_attention.schedule import (sanitize_cu_q_lens, seq_q_blocks,
+                                                            tree_rows, window_operand)
 
 _NEG_INF = -1e30
 
@@ -110,8 +129,8 @@ def _kernel(
       slot = jnp.minimum(lax.div(kpos, page_size), pages_per_seq - 1)
       page = page_indices_ref[seq * pages_per_seq + slot]  # [BK]
       # Keys past kv_len (their page-table entries may be anything) and keys of absent pages are
-      # not loaded: masked loads give 0 there, so NaN never meets the accumulator. Their row
-      # index points at the sink page anyway, to stay in bounds where a mask is not honoured.
+      # not loaded: masked loads give 0 there, so NaN never meets the accumulator. Their rows
+      # still point into the sink page, in bounds, as the interpreter gathers before it masks.
       k_read = (kpos < kv_len) & (page >= 0)  # [BK]
       krow = layer_row + (jnp.where(k_read, page, 0) * 2 * num_kv_heads + h) * page_size
       krow += lax.rem(kpos, page_size)

@@ -13,9 +13,25 @@ need; rows of other sequences are masked out of that step's online-softmax updat
 Queries are regrouped outside the kernel to `[Hkv, T*G, D]` (row t*G+g is query head h*G+g of token
 t), so a KV head's whole query group is one 2-D `[R, D]` operand of the MXU, R = block_q*G.
 
-The KV cache stays in HBM (`pl.ANY`); pages are DMA'd a block at a time into a two-slot VMEM buffer:
-the next block (possibly of the next sequence) is in flight while the current one is computed.
-Online-softmax state (`acc`, `m`, `l`) lives in f32 VMEM scratch.
+The KV cache (every layer, one array) stays in HBM (`pl.ANY`); pages are DMA'd from
+`kv_cache.at[layer, page]`, the layer a scalar-prefetch value (traced under a layer scan; no layer
+is ever sliced out), a block at a time into a two-slot VMEM buffer: the next block (possibly of the
+next sequence) is in flight while the current one is computed. Online-softmax state (`acc`, `m`,
+`l`) lives in f32 VMEM scratch.
+
+The rest of the contract (`AttentionMetadata`):
+- Absent pages (negative block-table entries) are never copied; their keys are masked and V is
+  zeroed there (the buffer holds stale VMEM). A KV block with no page to read skips its compute;
+  it is still walked, for a few scalar reads.
+- Tree mask: each row's bits come packed into int32 words with the row's window lag
+  (`schedule.tree_rows`), expanded to the kernel's rows as an `[NW+1, R, 1]` block per program;
+  a new key is seen iff causal and its bit is set. Cost: a few `[R, BK]` integer ops per KV block
+  per 32 columns of `verify_width`, shared by all heads, and a window walk for tree sequences that
+  starts at their context length. Without a tree mask none of this is emitted.
+- The sliding window is a scalar-prefetch value, so it may be traced; `None` (static) emits no
+  window code at all.
+- With `return_softmax_state`, a second output holds each row's m + log(l) (`[Hkv, R, 1]` blocks,
+  f32), -inf for rows that saw no key.
 
 Written within the interpreter's limits so it runs on CPU with `interpret=True` and
 `interpret=pltpu.InterpretParams(detect_races=True)`: no ref reshapes or bitcasts, no strided
@@ -24,6 +40,7 @@ loads, no masked stores, nothing written to scalar-prefetch refs.
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -164,19 +181,18 @@ def _kernel(
     # VMEM, or NaN past kv_len. Masked scores are replaced, but V must be zeroed there too, or
     # 0 * NaN would reach the accumulator.
     page = block_pages(s, kb)
-    col = lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    reads = [page(j)[1] for j in range(pages_per_block)]
+
+    def columns_read(col):  # col: key columns of the block, as a row or a column vector
+      # An empty range for a page not read: scalar selects, then plain vector compares.
+      return functools.reduce(operator.or_, [
+          (col >= j * page_size) & (col < jnp.where(read, (j + 1) * page_size, j * page_size))
+          for j, read in enumerate(reads)])
+
     col_v = lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-    k_read = jnp.zeros((1, bk), jnp.bool_)
-    v_read = jnp.zeros((bk, 1), jnp.bool_)
-    any_read = jnp.bool_(False)
-    for j in range(pages_per_block):
-      _, read = page(j)
-      # An empty range for pages not read: scalar selects, then plain vector compares.
-      lo, hi = j * page_size, jnp.where(read, (j + 1) * page_size, j * page_size)
-      k_read |= (col >= lo) & (col < hi)
-      v_read |= (col_v >= lo) & (col_v < hi)
-      any_read |= read
-    v_read &= kb * bk + col_v < key_end
+    k_read = columns_read(lax.broadcasted_iota(jnp.int32, (1, bk), 1))  # [1, BK]
+    v_read = columns_read(col_v) & (kb * bk + col_v < key_end)  # [BK, 1]
+    any_read = functools.reduce(operator.or_, reads)
 
     # A block of absent pages only: nothing to add.
     @pl.when(any_read)
@@ -298,28 +314,25 @@ def ragged_paged_attention_tpu(
   scalars = jnp.stack([jnp.asarray(layer, jnp.int32),
                        window_operand(sliding_window, p * page_size)])
 
-  def to_rows(x):  # [T, ...] -> [T_pad*G, ...]: row t*G+g holds token t's entry
-    x = jnp.pad(x, ((0, t_pad - t),) + ((0, 0),) * (x.ndim - 1))
-    return jnp.repeat(x, g, axis=0)
-
   # [T, Hq, D] -> [Hkv, T_pad*G, D]: a KV head's query group becomes contiguous rows.
   qr = jnp.pad(q, ((0, t_pad - t), (0, 0), (0, 0)))
   qr = qr.reshape(t_pad, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, t_pad * g, d)
   block = pl.BlockSpec((hkv, rows, d), lambda i, *_: (0, i, 0))
-  lse_block = pl.BlockSpec((hkv, rows, 1), lambda i, *_: (0, i, 0))
   inputs, in_specs = [qr, kv_cache], [block, pl.BlockSpec(memory_space=pl.ANY)]
   tree_words = 0
   if md.tree_mask is not None:
     words, lag = tree_rows(md.tree_mask, cu, md.num_seqs)  # [T, NW], [T]
     tree_words = words.shape[1]
-    # [NW+1, T_pad*G, 1]: a leading index picks one [R, 1] column, no lane slicing.
-    inputs.append(to_rows(jnp.concatenate([words, lag[:, None]], axis=1)).T[:, :, None])
+    tree = jnp.pad(jnp.concatenate([words, lag[:, None]], axis=1), ((0, t_pad - t), (0, 0)))
+    # [NW+1, T_pad*G, 1], row t*G+g for token t: a leading index picks one [R, 1] column, so
+    # the kernel never slices lanes.
+    inputs.append(jnp.repeat(tree, g, axis=0).T[:, :, None])
     in_specs.append(pl.BlockSpec((tree_words + 1, rows, 1), lambda i, *_: (0, i, 0)))
   out_shape = [jax.ShapeDtypeStruct((hkv, t_pad * g, d), q.dtype)]
   out_specs = [block]
   if return_softmax_state:
     out_shape.append(jax.ShapeDtypeStruct((hkv, t_pad * g, 1), jnp.float32))
-    out_specs.append(lse_block)
+    out_specs.append(pl.BlockSpec((hkv, rows, 1), lambda i, *_: (0, i, 0)))
 
   kernel = functools.partial(
       _kernel, block_q=block_q, pages_per_block=ppb, pages_per_seq=p, num_seq_slots=s, group=g,

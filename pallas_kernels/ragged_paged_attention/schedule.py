@@ -1,7 +1,8 @@
-"""How a ragged batch splits into kernel programs: which sequences and query rows each one owns.
+"""How a ragged batch splits into kernel programs: which sequences and query rows each one owns,
+and the per-row tables (tree mask, window) the kernels read.
 
-All of it is plain jnp run before the kernels, so the kernels read ready-made scalar tables instead
-of searching `cu_q_lens` themselves or carrying a cursor from one grid step to the next.
+All of it is plain jnp run before the kernels, so the kernels read ready-made tables instead of
+searching `cu_q_lens` themselves or carrying a cursor from one grid step to the next.
 """
 from __future__ import annotations
 
