@@ -93,9 +93,9 @@ def attention_cost(seqs, tree_mask, verify_width: int, hq: int, hkv: int, d: int
   # 2 matmuls of 2 flops per MAC.
   keys, row = 0, 0
   for q, kv in seqs:
+    tree = tree_mask is not None and q <= verify_width
     for i in range(q):
-      tree_row = tree_mask is not None and q <= verify_width
-      keys += kv - q + (int(tree_mask[row + i].sum()) if tree_row else i + 1)
+      keys += kv - q + (int(tree_mask[row + i].sum()) if tree else i + 1)
     row += q
   return kv_bytes + qo_bytes, 4 * keys * hq * d
 
