@@ -1,11 +1,13 @@
-"""Time the Pallas kernels against their XLA references on a real GPU or TPU; print JSON.
+"""Time the Pallas kernels against jnp baselines on a real GPU or TPU; print JSON.
 
 Attention: ragged paged attention with Llama-3-8B heads (32 q heads, 8 KV heads, head_dim 128,
-bf16) at a decode batch, a prefill batch and a mixed batch (decodes plus chunked prefills), for the
-platform's Pallas kernel and the jnp reference. Reports milliseconds, the bytes that must cross
-HBM (KV of every live token once, plus q and the output) per second as a fraction of `--peak-bw`,
-achieved TFLOP/s, and the max abs error against the reference (so a device run is also a check of
-the compiled kernel).
+bf16) over layer 1 of a two-layer cache, at a decode batch, a prefill batch, a mixed batch
+(decodes plus chunked prefills) and a speculative-decoding batch (a tree of 8 verify rows per
+sequence), for the platform's Pallas kernel and a baseline backend (`--baseline`: the tuned `xla`
+path by default; the dense `reference` oracle, which only fits small shapes, with `--smoke`).
+Reports milliseconds, the bytes that must cross HBM (KV of every live token once, plus q and the
+output) per second as a fraction of `--peak-bw`, achieved TFLOP/s, and the max abs error against
+the baseline (`max_abs_err_vs_reference`; so a device run is also a check of the compiled kernel).
 
 int8 matmul: W8A16 and W8A8 kernels against a bf16 XLA matmul of the same weights (and the jnp
 int8 reference), at decode and prefill M with Llama-3-8B MLP shapes.
@@ -25,45 +27,76 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import AttentionMetadata
 from pallas_kernels.int8_matmul import int8_matmul, quantize_per_channel
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 H200_PEAK_BW = 4.8e12  # bytes/s
 
 
+def random_tree(rng, n: int) -> np.ndarray:  # [n, n] bool: node i sees its ancestors and itself
+  parent = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+  bits = np.zeros((n, n), bool)
+  for i in range(n):
+    j = i
+    while j >= 0:
+      bits[i, j] = True
+      j = parent[j]
+  return bits
+
+
 def attention_batch(seqs: list[tuple[int, int]], num_tokens: int, hq: int, hkv: int, d: int,
-                    page_size: int, dtype, seed: int = 0) -> dict:
-  """A ragged batch: (q_len, kv_len) per sequence, pages drawn from a shuffled pool."""
+                    page_size: int, dtype, *, num_layers: int = 2, verify_width: int = 1,
+                    tree: bool = False, seed: int = 0) -> dict:
+  """A ragged batch: (q_len, kv_len) per sequence, pages drawn from a shuffled pool, in a cache of
+  `num_layers` layers. With `tree`, sequences of up to `verify_width` rows get a random tree of
+  verify rows (else their rows are causal)."""
   rng = np.random.default_rng(seed)
   pages_needed = [-(-kv // page_size) for _, kv in seqs]
   p = max(pages_needed)
-  num_pages = 1 + sum(pages_needed)
+  num_pages = 1 + sum(pages_needed)  # page 0 is the sink
   pool = rng.permutation(np.arange(1, num_pages)).astype(np.int32)
-  page_indices = np.zeros((len(seqs), p), np.int32)
+  block_table = np.zeros((len(seqs), p), np.int32)
   at = 0
   for s, n in enumerate(pages_needed):
-    page_indices[s, :n] = pool[at:at + n]
+    block_table[s, :n] = pool[at:at + n]
     at += n
   q_lens = np.array([q for q, _ in seqs], np.int32)
   assert q_lens.sum() <= num_tokens
-  key = jax.random.key(seed)
-  kq, kc = jax.random.split(key)
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  slots = np.zeros(num_tokens, np.int32)  # padding rows write to the sink page
+  tree_mask = np.zeros((num_tokens, verify_width), bool) if tree else None
+  for s, (ql, kv) in enumerate(seqs):
+    pos = np.arange(kv - ql, kv)
+    slots[cu[s]:cu[s + 1]] = block_table[s, pos // page_size] * page_size + pos % page_size
+    if tree and ql <= verify_width:
+      tree_mask[cu[s]:cu[s + 1], :ql] = random_tree(rng, ql)
+  kq, kc = jax.random.split(jax.random.key(seed))
+  md = AttentionMetadata(
+      slot_mapping=jnp.asarray(slots), block_table=jnp.asarray(block_table),
+      kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32), cu_q_lens=jnp.asarray(cu),
+      num_seqs=jnp.asarray([len(seqs)], jnp.int32),
+      tree_mask=None if tree_mask is None else jnp.asarray(tree_mask),
+      max_q_len=int(q_lens.max()), max_prefill_seqs=int((q_lens > verify_width).sum()),
+      verify_width=verify_width)
   return dict(
       q=jax.random.normal(kq, (num_tokens, hq, d), dtype),
-      kv_cache=jax.random.normal(kc, (num_pages, 2, hkv, page_size, d), dtype),
-      kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),
-      page_indices=jnp.asarray(page_indices),
-      cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32),
-      num_seqs=jnp.asarray([len(seqs)], jnp.int32),
-      max_q_len=int(q_lens.max()),
-  )
+      kv_cache=jax.random.normal(kc, (num_layers, num_pages, 2, hkv, page_size, d), dtype),
+      md=md, tree_mask=tree_mask)
 
 
-def attention_cost(seqs, hq: int, hkv: int, d: int, itemsize: int, num_tokens: int):
+def attention_cost(seqs, tree_mask, verify_width: int, hq: int, hkv: int, d: int, itemsize: int,
+                   num_tokens: int):
   kv_bytes = sum(kv for _, kv in seqs) * 2 * hkv * d * itemsize
   qo_bytes = 2 * num_tokens * hq * d * itemsize
-  # Causal: the query at position p attends p + 1 keys; 2 matmuls of 2 flops per MAC.
-  keys = sum(sum(kv - q + i + 1 for i in range(q)) for q, kv in seqs)
+  # A row sees its context and the new rows before it (causal), or those its tree bits name;
+  # 2 matmuls of 2 flops per MAC.
+  keys, row = 0, 0
+  for q, kv in seqs:
+    tree = tree_mask is not None and q <= verify_width
+    for i in range(q):
+      keys += kv - q + (int(tree_mask[row + i].sum()) if tree else i + 1)
+    row += q
   return kv_bytes + qo_bytes, 4 * keys * hq * d
 
 
@@ -81,30 +114,36 @@ def time_fn(fn, args, iters: int) -> float:
 def bench_attention(args, backends: list[str], interpret: bool) -> list[dict]:
   hq, hkv, d = (4, 2, 64) if args.smoke else (32, 8, 128)
   dtype = jnp.float32 if args.smoke else jnp.bfloat16
+  # name: (sequences, tokens T, verify_width, tree mask)
   if args.smoke:
-    shapes = {"decode": ([(1, 40), (1, 9), (1, 70)], 8),
-              "prefill": ([(24, 24)], 32),
-              "mixed": ([(1, 33), (12, 30), (1, 5)], 16)}
+    shapes = {"decode": ([(1, 40), (1, 9), (1, 70)], 8, 1, False),
+              "prefill": ([(24, 24)], 32, 1, False),
+              "mixed": ([(1, 33), (12, 30), (1, 5)], 16, 1, False),
+              "verify_tree": ([(4, 20), (1, 9), (3, 14)], 8, 4, True)}
   else:
     rng = np.random.default_rng(0)
-    decode = [(1, int(kv)) for kv in rng.integers(1024, 4097, 64)]
-    shapes = {"decode": (decode, 64),
-              "prefill": ([(2048, 2048), (2048, 2048)], 4096),
-              "mixed": (decode[:56] + [(512, 1024), (512, 2048)], 2048)}
+    kv_lens = [int(kv) for kv in rng.integers(1024, 4097, 64)]
+    decode = [(1, kv) for kv in kv_lens]
+    shapes = {"decode": (decode, 64, 1, False),
+              "prefill": ([(2048, 2048), (2048, 2048)], 4096, 1, False),
+              "mixed": (decode[:56] + [(512, 1024), (512, 2048)], 2048, 1, False),
+              # Speculative decoding: 8 tree nodes on top of each cached context.
+              "verify_tree": ([(8, kv) for kv in kv_lens], 512, 8, True)}
+  layer = jnp.int32(1)  # of 2, traced like a layer scan's index
   results = []
-  for name, (seqs, t) in shapes.items():
-    b = attention_batch(seqs, t, hq, hkv, d, args.page_size, dtype)
-    max_q_len = b.pop("max_q_len")
-    nbytes, flops = attention_cost(seqs, hq, hkv, d, jnp.dtype(dtype).itemsize, t)
+  for name, (seqs, t, verify_width, tree) in shapes.items():
+    b = attention_batch(seqs, t, hq, hkv, d, args.page_size, dtype, verify_width=verify_width,
+                        tree=tree)
+    nbytes, flops = attention_cost(seqs, b["tree_mask"], verify_width, hq, hkv, d,
+                                   jnp.dtype(dtype).itemsize, t)
     ref = None
-    for backend in ["reference"] + backends:
-      configs = args.attn_blocks if backend != "reference" else [{}]
-      for blocks in configs:
-        kw = dict(blocks, interpret=interpret) if backend != "reference" else {}
-        fn = jax.jit(lambda *a, backend=backend, kw=kw: ragged_paged_attention(
-            *a, sm_scale=d ** -0.5, max_q_len=max_q_len, backend=backend, **kw))
-        a = (b["q"], b["kv_cache"], b["kv_lens"], b["page_indices"], b["cu_q_lens"],
-             b["num_seqs"])
+    for backend in [args.baseline] + backends:
+      kernel = backend.startswith("pallas")
+      for blocks in args.attn_blocks if kernel else [{}]:
+        kw = dict(blocks, interpret=interpret) if kernel else {}
+        fn = jax.jit(lambda q, cache, md, layer, backend=backend, kw=kw: ragged_paged_attention(
+            q, cache, md, layer=layer, sm_scale=d ** -0.5, backend=backend, **kw))
+        a = (b["q"], b["kv_cache"], b["md"], layer)
         out = fn(*a)
         if ref is None:
           ref = out
@@ -166,6 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
   ap.add_argument("--attn-blocks", type=json.loads, action="append", default=None,
                   help='attention kernel block sizes as JSON, e.g. \'{"pages_per_block": 4}\'; '
                        "repeat to compare several")
+  ap.add_argument("--baseline", choices=["xla", "reference"], default=None,
+                  help="attention backend the kernels are timed and checked against "
+                       "(default: reference with --smoke, else xla)")
   ap.add_argument("--skip", choices=["attention", "int8_matmul"], action="append", default=[])
   ap.add_argument("--smoke", action="store_true",
                   help="tiny shapes, f32; on CPU the kernels run in interpret mode")
@@ -176,6 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.page_size = 64 if plat == "tpu" and not args.smoke else (8 if args.smoke else 16)
   if args.iters is None:
     args.iters = 1 if args.smoke else 20
+  if args.baseline is None:
+    args.baseline = "reference" if args.smoke else "xla"
   if args.attn_blocks is None:
     args.attn_blocks = [{}]
   interpret = plat == "cpu"

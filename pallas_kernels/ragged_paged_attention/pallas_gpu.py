@@ -18,6 +18,25 @@ Grid: (work item, KV head). A work item is up to `block_rows // G` query tokens 
 chunks several. Each program loads its `[R, D]` query group (rows t*G+g, R a power of two >= 16,
 the smallest MMA), loops over blocks of pages up to its last query's position (from the sliding
 window's start when there is one), and keeps the f32 online-softmax state in registers.
+
+The cache holds every layer in one array; the kernel views it as rows
+`[L*num_pages*2*Hkv*page_size, D]` (a free reshape) and offsets its row indices by the layer's
+first row, so no layer is sliced out and the layer may be traced. Row indices are int32 (the
+wrapper checks the row count fits); Triton turns them into 64-bit offsets for caches over 4 GiB.
+
+The rest of the contract (`AttentionMetadata`):
+- K and V are masked loads: keys past kv_len and keys of absent pages (negative block-table
+  entries) are not loaded and read as 0, so stale or NaN slots never reach the accumulator.
+- Tree mask: each row's bits come packed into int32 words with the row's window lag
+  (`schedule.tree_rows`), laid out as `[NW+1, T*G]` rows; a new key is seen iff causal and its bit
+  is set. Cost: a few `[R, BK]` integer ops per KV block per 32 columns of `verify_width`, and a
+  window loop for tree sequences that starts at their context length. Without a tree mask none
+  of this is emitted.
+- The sliding window is a scalar operand, so it may be traced; `None` (static) emits no window
+  code at all.
+- With `return_softmax_state`, a second output `[Hkv, T*G]` f32 holds each row's m + log(l),
+  -inf for rows that saw no key (it is aliased with -inf, as the output is with zeros, so rows no
+  program owns keep that).
 """
 from __future__ import annotations
 
@@ -29,7 +48,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.ragged_paged_attention.schedule import sanitize_cu_q_lens, seq_q_blocks
+from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.ragged_paged_attention.schedule import (sanitize_cu_q_lens, seq_q_blocks,
+                                                            tree_rows, window_operand)
 
 _NEG_INF = -1e30
 
@@ -40,25 +61,32 @@ def _kernel(
     kv_lens_ref,  # [S]
     page_indices_ref,  # [S*P]
     cu_q_lens_ref,  # [S+1]
+    scalars_ref,  # [2]: layer, sliding window (see `schedule.window_operand`)
     q_ref,  # [Hkv, (T+pad)*G, D]
-    kv_ref,  # [num_pages*2*Hkv*page_size, D]: the cache viewed as rows
-    o_in_ref,  # aliased with o_ref (zeros: rows no program owns stay zero)
-    o_ref,  # [Hkv, (T+pad)*G, D]
-    *,
+    kv_ref,  # [L*num_pages*2*Hkv*page_size, D]: the cache viewed as rows
+    *refs,  # [tree_ref], o_in_ref, [lse_in_ref], o_ref, [lse_ref]
     block_q: int,
     rows: int,
     group: int,
+    num_pages: int,
     num_kv_heads: int,
     page_size: int,
     pages_per_block: int,
     pages_per_seq: int,
+    verify_width: int,
+    tree_words: int,
+    windowed: bool,
+    return_lse: bool,
     sm_scale: float,
-    sliding_window: int | None,
     soft_cap: float | None,
     k_scale: float | None,
     v_scale: float | None,
 ):
-  del o_in_ref
+  # Outputs are aliased with their initial values (o 0, lse -inf): rows no program owns keep them.
+  refs = list(refs)
+  tree_ref = refs.pop(0) if tree_words else None  # [NW+1, (T+pad)*G]: tree words, then lag
+  o_ref = refs[-2] if return_lse else refs[-1]  # [Hkv, (T+pad)*G, D]
+  lse_ref = refs[-1] if return_lse else None  # [Hkv, (T+pad)*G] f32
   b, h = pl.program_id(0), pl.program_id(1)
   seq = item_seq_ref[b]
   bk = pages_per_block * page_size
@@ -67,121 +95,177 @@ def _kernel(
   @pl.when(seq >= 0)
   def _():
     tok0 = item_tok_ref[b]
-    q_end, kv_len = cu_q_lens_ref[seq + 1], kv_lens_ref[seq]
+    q_start, q_end, kv_len = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1], kv_lens_ref[seq]
+    ctx = kv_len - (q_end - q_start)  # cached context length
     n_tok = jnp.minimum(block_q, q_end - tok0)
-    qpos0 = kv_len - q_end + tok0  # position of the item's first token
+    qpos0 = ctx + tok0 - q_start  # position of the item's first token
     r = jnp.arange(rows, dtype=jnp.int32)
     row_live = r < n_tok * group  # [R]
     # Indices here are non-negative: truncating lax.div/rem skip jnp's floor-division fix-ups.
     qpos = qpos0 + lax.div(r, group)  # [R]
-    q = q_ref[h, pl.ds(tok0 * group, rows), :]  # [R, D]; padded input keeps the slice in bounds
+    rows_at = pl.ds(tok0 * group, rows)  # padded inputs keep every [R] slice in bounds
+    q = q_ref[h, rows_at, :]  # [R, D]
+    words = [tree_ref[w, rows_at] for w in range(tree_words)]  # [R] each
 
     kb_end = (qpos0 + n_tok + bk - 1) // bk
-    kb_start = 0 if sliding_window is None else jnp.maximum(qpos0 - sliding_window + 1, 0) // bk
+    kb_start = 0
+    if windowed:
+      window = scalars_ref[1]
+      first_pos = qpos0
+      wpos = qpos  # [R]: position of each row for the window
+      if tree_words:
+        # A tree row's window position is the context length plus its depth, at least the former.
+        first_pos = jnp.where(q_end - q_start <= verify_width, ctx, qpos0)
+        wpos -= tree_ref[tree_words, rows_at]  # lag
+      kb_start = jnp.maximum(first_pos - window + 1, 0) // bk
+      win_lo = wpos - window  # [R]: keys at or before this are out of the window
     kcol = jnp.arange(bk, dtype=jnp.int32)
+    # The layer's first row; the row count fits int32 (checked by the wrapper).
+    layer_row = scalars_ref[0] * (num_pages * 2 * num_kv_heads * page_size)
 
     def body(kb, carry):
       acc, m_prev, l_prev = carry
       kpos = kb * bk + kcol  # [BK]
-      k_live = kpos < kv_len
       slot = jnp.minimum(lax.div(kpos, page_size), pages_per_seq - 1)
-      # Dead keys read the sink page: their page-table entries may be anything.
-      page = jnp.where(k_live, page_indices_ref[seq * pages_per_seq + slot], 0)  # [BK]
-      krow = (page * 2 * num_kv_heads + h) * page_size + lax.rem(kpos, page_size)
-      k = kv_ref[krow].astype(q.dtype)  # [BK, D]
-      v = kv_ref[krow + num_kv_heads * page_size].astype(q.dtype)  # [BK, D]
+      page = page_indices_ref[seq * pages_per_seq + slot]  # [BK]
+      # Keys past kv_len (their page-table entries may be anything) and keys of absent pages are
+      # not loaded: masked loads give 0 there, so NaN never meets the accumulator. Their rows
+      # still point into the sink page, in bounds, as the interpreter gathers before it masks.
+      k_read = (kpos < kv_len) & (page >= 0)  # [BK]
+      krow = layer_row + (jnp.where(k_read, page, 0) * 2 * num_kv_heads + h) * page_size
+      krow += lax.rem(kpos, page_size)
+      load_mask = jnp.broadcast_to(k_read[:, None], (bk, d))
+      dcol = jnp.arange(d, dtype=jnp.int32)[None, :]
+      k = plgpu.load(kv_ref.at[krow[:, None], dcol], mask=load_mask,
+                     other=0).astype(q.dtype)  # [BK, D]
+      v = plgpu.load(kv_ref.at[krow[:, None] + num_kv_heads * page_size, dcol], mask=load_mask,
+                     other=0).astype(q.dtype)  # [BK, D]
       sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                            preferred_element_type=jnp.float32)  # [R, BK]
       sc *= sm_scale if k_scale is None else sm_scale * k_scale
       if soft_cap is not None:
         sc = soft_cap * jnp.tanh(sc / soft_cap)
-      mask = row_live[:, None] & (kpos[None, :] <= qpos[:, None])
-      if sliding_window is not None:
-        mask &= kpos[None, :] > qpos[:, None] - sliding_window
+      mask = row_live[:, None] & k_read[None, :] & (kpos[None, :] <= qpos[:, None])
+      if tree_words:
+        new = kpos - ctx  # [BK]: key index among the sequence's new rows; < 0: context
+        seen = ((new < 0) | (new >= 32 * tree_words))[None, :]
+        for w in range(tree_words):
+          bit = lax.shift_right_logical(words[w][:, None],
+                                        jnp.clip(new - 32 * w, 0, 31)[None, :]) & 1  # [R, BK]
+          seen |= ((new >= 32 * w) & (new < 32 * w + 32))[None, :] & (bit != 0)
+        mask &= seen
+      if windowed:
+        mask &= kpos[None, :] > win_lo[:, None]
       sc = jnp.where(mask, sc, _NEG_INF)
       m_next = jnp.maximum(m_prev, jnp.max(sc, axis=1))  # [R]
       p = jnp.where(mask, jnp.exp(sc - m_next[:, None]), 0.0)  # [R, BK]
       alpha = jnp.exp(m_prev - m_next)
-      # Slots past kv_len may hold NaN: zero V there so 0 * NaN never reaches acc.
-      v = jnp.where(k_live[:, None], v, jnp.zeros_like(v))
       pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                            preferred_element_type=jnp.float32)  # [R, D]
       return alpha[:, None] * acc + pv, m_next, alpha * l_prev + jnp.sum(p, axis=1)
 
     init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG_INF, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    acc, _, l = lax.fori_loop(kb_start, kb_end, body, init)
-    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+    acc, m, l = lax.fori_loop(kb_start, kb_end, body, init)
+    seen_any = l > 0.0  # [R]; rows whose every key was absent or masked come out 0, lse -inf
+    l_safe = jnp.where(seen_any, l, 1.0)
+    out = acc / l_safe[:, None]
     if v_scale is not None:
       out *= v_scale
     # Rows past the item's tokens belong to the next item or sequence: masked out of the store.
-    plgpu.store(o_ref.at[h, pl.ds(tok0 * group, rows), :], out.astype(o_ref.dtype),
+    plgpu.store(o_ref.at[h, rows_at, :], out.astype(o_ref.dtype),
                 mask=jnp.broadcast_to(row_live[:, None], (rows, d)))
+    if return_lse:
+      plgpu.store(lse_ref.at[h, rows_at], jnp.where(seen_any, m + jnp.log(l_safe), -jnp.inf),
+                  mask=row_live)
 
 
 def ragged_paged_attention_gpu(
     q: jax.Array,  # [T, Hq, D]
-    kv_cache: jax.Array,  # [num_pages, 2, Hkv, page_size, D]
-    kv_lens: jax.Array,  # [S] int32
-    page_indices: jax.Array,  # [S, P] int32
-    cu_q_lens: jax.Array,  # [S+1] int32
-    num_seqs: jax.Array,  # [1] int32
+    kv_cache: jax.Array,  # [L, num_pages, 2, Hkv, page_size, D]
+    md: AttentionMetadata,
     *,
+    layer: jax.Array | int = 0,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
-    max_q_len: int | None = None,
+    return_softmax_state: bool = False,
     block_rows: int = 64,
     pages_per_block: int = 8,
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
-) -> jax.Array:  # [T, Hq, D]
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [T, Hq, D] (, lse [T, Hq] float32)
   """Same contract as the reference.
 
   block_rows: query rows (tokens x G) per program; tokens per program = max(1, block_rows // G),
-    capped by `max_q_len`. head_dim, page_size and pages_per_block must be powers of two with
+    capped by `md.max_q_len`. head_dim, page_size and pages_per_block must be powers of two with
     head_dim >= 16 and pages_per_block * page_size >= 16 (Triton block shapes, smallest MMA).
   """
   t, hq, d = q.shape
-  num_pages, _, hkv, page_size, _ = kv_cache.shape
-  s, p = page_indices.shape
+  num_layers, num_pages, _, hkv, page_size, _ = kv_cache.shape
+  s, p = md.block_table.shape
   g = hq // hkv
+  # Checked in interpret mode too, so CPU tests catch a model or cache the GPU could not run.
   if d < 16 or d & (d - 1):
-    # Checked in interpret mode too, so CPU tests catch a model the GPU could not run.
     raise ValueError(f"the Triton kernel needs a power-of-two head_dim >= 16, got {d}")
+  num_rows = num_layers * num_pages * 2 * hkv * page_size
+  if num_rows >= 2**31:
+    raise ValueError(f"the cache has {num_rows} rows of head_dim; row indices are int32")
   block_q = max(1, block_rows // g)
-  if max_q_len is not None:
-    block_q = min(block_q, max_q_len)
+  if md.max_q_len is not None:
+    block_q = min(block_q, md.max_q_len)
   rows = max(16, pl.next_power_of_2(block_q * g))
   # A power of two even past the table's width: slots past it are clamped and masked as dead.
   ppb = min(pages_per_block, pl.next_power_of_2(p))
   num_items = pl.cdiv(t, block_q) + s
-  if max_q_len is not None:
-    num_items = min(num_items, s * pl.cdiv(max_q_len, block_q))
+  if md.max_q_len is not None:
+    num_items = min(num_items, s * pl.cdiv(md.max_q_len, block_q))
 
-  cu = sanitize_cu_q_lens(cu_q_lens.astype(jnp.int32), num_seqs)
+  cu = sanitize_cu_q_lens(md.cu_q_lens.astype(jnp.int32), md.num_seqs)
   item_seq, item_tok = seq_q_blocks(cu, block_q, num_items)
-  # [T, Hq, D] -> [Hkv, T*G, D] plus `rows` spare rows, so every [R, D] slice is in bounds.
+  scalars = jnp.stack([jnp.asarray(layer, jnp.int32),
+                       window_operand(sliding_window, p * page_size)])
+  # Rows t*G+g, plus `rows` spare ones so every [R] slice is in bounds.
   t_pad = t + pl.cdiv(rows, g)
+  # [T, Hq, D] -> [Hkv, T_pad*G, D]: a KV head's query group becomes contiguous rows.
   qr = jnp.pad(q, ((0, t_pad - t), (0, 0), (0, 0)))
   qr = qr.reshape(t_pad, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, t_pad * g, d)
+  inputs = [item_seq, item_tok, md.kv_lens.astype(jnp.int32),
+            md.block_table.astype(jnp.int32).reshape(-1), cu, scalars, qr,
+            kv_cache.reshape(num_rows, d)]
+  tree_words = 0
+  if md.tree_mask is not None:
+    words, lag = tree_rows(md.tree_mask, cu, md.num_seqs)  # [T, NW], [T]
+    tree_words = words.shape[1]
+    tree = jnp.pad(jnp.concatenate([words, lag[:, None]], axis=1), ((0, t_pad - t), (0, 0)))
+    inputs.append(jnp.repeat(tree, g, axis=0).T)  # [NW+1, T_pad*G]
+  out_shape = [jax.ShapeDtypeStruct(qr.shape, q.dtype)]
+  inputs.append(jnp.zeros_like(qr))
+  if return_softmax_state:
+    out_shape.append(jax.ShapeDtypeStruct((hkv, t_pad * g), jnp.float32))
+    inputs.append(jnp.full((hkv, t_pad * g), -jnp.inf, jnp.float32))
+  n_out = len(out_shape)
 
   kernel = functools.partial(
-      _kernel, block_q=block_q, rows=rows, group=g, num_kv_heads=hkv, page_size=page_size,
-      pages_per_block=ppb, pages_per_seq=p, sm_scale=sm_scale, sliding_window=sliding_window,
-      soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
-  out = pl.pallas_call(
+      _kernel, block_q=block_q, rows=rows, group=g, num_pages=num_pages, num_kv_heads=hkv,
+      page_size=page_size, pages_per_block=ppb, pages_per_seq=p, verify_width=md.verify_width,
+      tree_words=tree_words, windowed=sliding_window is not None,
+      return_lse=return_softmax_state, sm_scale=sm_scale, soft_cap=soft_cap, k_scale=k_scale,
+      v_scale=v_scale)
+  res = pl.pallas_call(
       kernel,
       grid=(num_items, hkv),
-      out_shape=jax.ShapeDtypeStruct(qr.shape, q.dtype),
-      input_output_aliases={7: 0},
+      out_shape=out_shape,
+      input_output_aliases={len(inputs) - n_out + j: j for j in range(n_out)},
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="ragged_paged_attention",
-  )(item_seq, item_tok, kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32).reshape(-1), cu,
-    qr, kv_cache.reshape(num_pages * 2 * hkv * page_size, d), jnp.zeros_like(qr))
-  out = out.reshape(hkv, t_pad, g, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)
-  return out[:t]
+  )(*inputs)
+  out = res[0].reshape(hkv, t_pad, g, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)[:t]
+  if not return_softmax_state:
+    return out
+  lse = res[1].reshape(hkv, t_pad, g).transpose(1, 0, 2).reshape(t_pad, hq)[:t]
+  return out, lse

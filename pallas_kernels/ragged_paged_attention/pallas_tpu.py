@@ -13,9 +13,25 @@ need; rows of other sequences are masked out of that step's online-softmax updat
 Queries are regrouped outside the kernel to `[Hkv, T*G, D]` (row t*G+g is query head h*G+g of token
 t), so a KV head's whole query group is one 2-D `[R, D]` operand of the MXU, R = block_q*G.
 
-The KV cache stays in HBM (`pl.ANY`); pages are DMA'd a block at a time into a two-slot VMEM buffer:
-the next block (possibly of the next sequence) is in flight while the current one is computed.
-Online-softmax state (`acc`, `m`, `l`) lives in f32 VMEM scratch.
+The KV cache (every layer, one array) stays in HBM (`pl.ANY`); pages are DMA'd from
+`kv_cache.at[layer, page]`, the layer a scalar-prefetch value (traced under a layer scan; no layer
+is ever sliced out), a block at a time into a two-slot VMEM buffer: the next block (possibly of the
+next sequence) is in flight while the current one is computed. Online-softmax state (`acc`, `m`,
+`l`) lives in f32 VMEM scratch.
+
+The rest of the contract (`AttentionMetadata`):
+- Absent pages (negative block-table entries) are never copied; their keys are masked and V is
+  zeroed there (the buffer holds stale VMEM). A KV block with no page to read skips its compute;
+  it is still walked, for a few scalar reads.
+- Tree mask: each row's bits come packed into int32 words with the row's window lag
+  (`schedule.tree_rows`), expanded to the kernel's rows as an `[NW+1, R, 1]` block per program;
+  a new key is seen iff causal and its bit is set. Cost: a few `[R, BK]` integer ops per KV block
+  per 32 columns of `verify_width`, shared by all heads, and a window walk for tree sequences that
+  starts at their context length. Without a tree mask none of this is emitted.
+- The sliding window is a scalar-prefetch value, so it may be traced; `None` (static) emits no
+  window code at all.
+- With `return_softmax_state`, a second output holds each row's m + log(l) (`[Hkv, R, 1]` blocks,
+  f32), -inf for rows that saw no key.
 
 Written within the interpreter's limits so it runs on CPU with `interpret=True` and
 `interpret=pltpu.InterpretParams(detect_races=True)`: no ref reshapes or bitcasts, no strided
@@ -24,6 +40,7 @@ loads, no masked stores, nothing written to scalar-prefetch refs.
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +48,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention.schedule import q_block_seq_ranges, sanitize_cu_q_lens
+from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.ragged_paged_attention.schedule import (q_block_seq_ranges, sanitize_cu_q_lens,
+                                                            tree_rows, window_operand)
 
 _NEG_INF = -1e30
 
@@ -44,6 +63,7 @@ def _cdiv(a: jax.Array, b: int) -> jax.Array:
 
 def _kernel(
     # Scalar prefetch (SMEM).
+    scalars_ref,  # [2]: layer, sliding window (see `schedule.window_operand`)
     kv_lens_ref,  # [S]
     page_indices_ref,  # [S*P] (flat: 2-D SMEM arrays pad their last axis)
     cu_q_lens_ref,  # [S+1]
@@ -51,34 +71,40 @@ def _kernel(
     seq_hi_ref,  # [NQB]
     # Inputs.
     q_ref,  # [Hkv, R, D] VMEM block
-    kv_hbm,  # [num_pages, 2, Hkv, page_size, D] in HBM
-    # Output.
-    o_ref,  # [Hkv, R, D] VMEM block
-    # Scratch.
-    kv_buf,  # [2 slots, 2, Hkv, BK, D]
-    sems,  # DMA [2 slots]
-    acc_ref,  # [Hkv, R, D] f32
-    m_ref,  # [Hkv, R, 1] f32
-    l_ref,  # [Hkv, R, 1] f32
-    *,
+    kv_hbm,  # [L, num_pages, 2, Hkv, page_size, D] in HBM
+    *refs,  # [tree_ref], o_ref, [lse_ref], then the scratch below
     block_q: int,
     pages_per_block: int,
     pages_per_seq: int,
     num_seq_slots: int,
     group: int,
+    verify_width: int,
+    tree_words: int,
+    windowed: bool,
+    return_lse: bool,
     sm_scale: float,
-    sliding_window: int | None,
     soft_cap: float | None,
     k_scale: float | None,
     v_scale: float | None,
 ):
+  refs = list(refs)
+  tree_ref = refs.pop(0) if tree_words else None  # [NW+1, R, 1]: tree words, then lag
+  o_ref = refs.pop(0)  # [Hkv, R, D] VMEM block
+  lse_ref = refs.pop(0) if return_lse else None  # [Hkv, R, 1] VMEM block
+  (kv_buf,  # [2 slots, 2, Hkv, BK, D]
+   sems,  # DMA [2 slots]
+   acc_ref,  # [Hkv, R, D] f32
+   m_ref,  # [Hkv, R, 1] f32
+   l_ref,  # [Hkv, R, 1] f32
+  ) = refs
   hkv, rows, _ = q_ref.shape
-  page_size = kv_hbm.shape[3]
+  page_size = kv_hbm.shape[4]
   bk = pages_per_block * page_size
   i = pl.program_id(0)
   blk_lo = i * block_q
   blk_hi = blk_lo + block_q
   seq_hi = seq_hi_ref[i]
+  layer, window = scalars_ref[0], scalars_ref[1]
 
   def seq_info(s):
     # Scalars of sequence s as seen from this block. Query token t sits at position base + t.
@@ -88,11 +114,15 @@ def _kernel(
     base = kv_lens_ref[s] - q_end
     key_end = base + t_hi  # keys at positions >= this are past every query of the block
     kb_end = jnp.where(t_hi > t_lo, _cdiv(key_end, bk), 0)
-    if sliding_window is None:
+    if not windowed:
       kb_start = jnp.int32(0)
     else:
-      kb_start = lax.div(jnp.maximum(base + t_lo - sliding_window + 1, 0), bk)
-    return t_lo, t_hi, base, key_end, kb_start, kb_end
+      first_pos = base + t_lo  # the earliest window position among the block's rows of s
+      if tree_words:
+        # A tree row's window position is the context length plus its depth, at least the former.
+        first_pos = jnp.where(q_end - q_start <= verify_width, base + q_start, first_pos)
+      kb_start = lax.div(jnp.maximum(first_pos - window + 1, 0), bk)
+    return q_start, t_lo, t_hi, base, key_end, kb_start, kb_end
 
   def first_block_from(s):
     # First sequence at or after s that has rows in this block; seq_hi when none is left.
@@ -101,27 +131,43 @@ def _kernel(
       return (s < seq_hi) & (kb_start >= kb_end)
 
     s = lax.while_loop(cond, lambda s: s + 1, s)
-    return s, seq_info(s)[4]
+    return s, seq_info(s)[5]
 
   def next_block(s, kb):
     *_, kb_end = seq_info(s)
     return lax.cond(kb + 1 < kb_end, lambda: (s, kb + 1), lambda: first_block_from(s + 1))
 
-  def for_each_page_copy(s, kb, slot, action):
-    # One DMA per page the block needs; pages past the last needed key are never touched (their
-    # page-table entries may be anything). All copies of a slot count on that slot's semaphore.
-    _, _, _, key_end, _, _ = seq_info(s)
+  def block_pages(s, kb):
+    # Page j of the block: its cache page, and whether to read it (needed by some query of the
+    # block, and present in this cache). Entries past the needed pages may be anything.
+    key_end = seq_info(s)[4]
     first = kb * pages_per_block
     n = jnp.minimum(pages_per_block, _cdiv(key_end, page_size) - first)
+    row = s * pages_per_seq
+
+    def page(j):
+      page = page_indices_ref[row + jnp.minimum(first + j, pages_per_seq - 1)]
+      return page, (j < n) & (page >= 0)
+
+    return page
+
+  def for_each_page_copy(s, kb, slot, action):
+    # One DMA per page read; absent pages and pages past the last needed key are never touched.
+    # All copies of a slot count on that slot's semaphore.
+    page = block_pages(s, kb)
 
     def one(j, carry):
-      page = page_indices_ref[s * pages_per_seq + first + j]
-      action(pltpu.make_async_copy(
-          kv_hbm.at[page], kv_buf.at[slot, :, :, pl.ds(j * page_size, page_size), :],
-          sems.at[slot]))
+      pg, read = page(j)
+
+      @pl.when(read)
+      def _():
+        action(pltpu.make_async_copy(
+            kv_hbm.at[layer, pg], kv_buf.at[slot, :, :, pl.ds(j * page_size, page_size), :],
+            sems.at[slot]))
+
       return carry
 
-    lax.fori_loop(0, n, one, 0)
+    lax.fori_loop(0, pages_per_block, one, 0)
 
   def start_fetch(s, kb, slot):
     for_each_page_copy(s, kb, slot, lambda c: c.start())
@@ -130,43 +176,69 @@ def _kernel(
     for_each_page_copy(s, kb, slot, lambda c: c.wait())
 
   def compute(s, kb, slot):
-    t_lo, t_hi, base, key_end, _, _ = seq_info(s)
-    # Row r is token blk_lo + r // G; compare through r and G so no vector division is needed.
-    r = lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
-    kpos = kb * bk + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
-    qbase = base + blk_lo  # position of the block's first token
-    mask = (r >= (t_lo - blk_lo) * group) & (r < (t_hi - blk_lo) * group)
-    mask &= r >= (kpos - qbase) * group  # causal: key pos <= query pos
-    if sliding_window is not None:
-      mask &= r < (kpos + sliding_window - qbase) * group
-    # Slots past key_end were not fetched (stale or uninitialized VMEM) or hold NaN past kv_len:
-    # zero V there so 0 * NaN never reaches the accumulator. Masked scores are replaced, so K
-    # needs no such care.
-    v_live = kb * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < key_end
+    q_start, t_lo, t_hi, base, key_end, _, _ = seq_info(s)
+    # Key columns of pages read in this block; the rest of the buffer is stale or uninitialized
+    # VMEM, or NaN past kv_len. Masked scores are replaced, but V must be zeroed there too, or
+    # 0 * NaN would reach the accumulator.
+    page = block_pages(s, kb)
+    reads = [page(j)[1] for j in range(pages_per_block)]
 
-    def head(h, carry):
-      q = q_ref[h]  # [R, D]
-      k = kv_buf[slot, 0, h].astype(q.dtype)  # [BK, D]
-      v = kv_buf[slot, 1, h].astype(q.dtype)  # [BK, D]
-      sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                           preferred_element_type=jnp.float32)  # [R, BK]
-      sc *= sm_scale if k_scale is None else sm_scale * k_scale
-      if soft_cap is not None:
-        sc = soft_cap * jnp.tanh(sc / soft_cap)
-      sc = jnp.where(mask, sc, _NEG_INF)
-      m_prev, l_prev = m_ref[h], l_ref[h]  # [R, 1]
-      m_next = jnp.maximum(m_prev, jnp.max(sc, axis=1, keepdims=True))
-      p = jnp.where(mask, jnp.exp(sc - m_next), 0.0)  # [R, BK]
-      alpha = jnp.exp(m_prev - m_next)
-      l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-      m_ref[h] = m_next
-      v = jnp.where(v_live, v, jnp.zeros_like(v))
-      pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                           preferred_element_type=jnp.float32)  # [R, D]
-      acc_ref[h] = alpha * acc_ref[h] + pv
-      return carry
+    def columns_read(col):  # col: key columns of the block, as a row or a column vector
+      # An empty range for a page not read: scalar selects, then plain vector compares.
+      return functools.reduce(operator.or_, [
+          (col >= j * page_size) & (col < jnp.where(read, (j + 1) * page_size, j * page_size))
+          for j, read in enumerate(reads)])
 
-    lax.fori_loop(0, hkv, head, 0)
+    col_v = lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+    k_read = columns_read(lax.broadcasted_iota(jnp.int32, (1, bk), 1))  # [1, BK]
+    v_read = columns_read(col_v) & (kb * bk + col_v < key_end)  # [BK, 1]
+    any_read = functools.reduce(operator.or_, reads)
+
+    # A block of absent pages only: nothing to add.
+    @pl.when(any_read)
+    def _():
+      # Row r is token blk_lo + r // G; compare through r and G so no vector division is needed.
+      r = lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
+      kpos = kb * bk + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
+      qbase = base + blk_lo  # position of the block's first token
+      mask = (r >= (t_lo - blk_lo) * group) & (r < (t_hi - blk_lo) * group) & k_read
+      mask &= r >= (kpos - qbase) * group  # causal: key pos <= query pos
+      if tree_words:
+        new = kpos - (base + q_start)  # key index among the sequence's new rows; < 0: context
+        seen = (new < 0) | (new >= 32 * tree_words)
+        for w in range(tree_words):
+          bit = lax.shift_right_logical(tree_ref[w], jnp.clip(new - 32 * w, 0, 31)) & 1
+          seen |= (new >= 32 * w) & (new < 32 * w + 32) & (bit != 0)
+        mask &= seen
+      if windowed:
+        edge = kpos + window - qbase  # the window holds the key for rows r < edge * G
+        if tree_words:
+          edge += tree_ref[tree_words]  # [R, 1] lag: tree rows sit at their depth
+        mask &= r < edge * group
+
+      def head(h, carry):
+        q = q_ref[h]  # [R, D]
+        k = kv_buf[slot, 0, h].astype(q.dtype)  # [BK, D]
+        v = kv_buf[slot, 1, h].astype(q.dtype)  # [BK, D]
+        sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [R, BK]
+        sc *= sm_scale if k_scale is None else sm_scale * k_scale
+        if soft_cap is not None:
+          sc = soft_cap * jnp.tanh(sc / soft_cap)
+        sc = jnp.where(mask, sc, _NEG_INF)
+        m_prev, l_prev = m_ref[h], l_ref[h]  # [R, 1]
+        m_next = jnp.maximum(m_prev, jnp.max(sc, axis=1, keepdims=True))
+        p = jnp.where(mask, jnp.exp(sc - m_next), 0.0)  # [R, BK]
+        alpha = jnp.exp(m_prev - m_next)
+        l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        m_ref[h] = m_next
+        v = jnp.where(v_read, v, jnp.zeros_like(v))
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [R, D]
+        acc_ref[h] = alpha * acc_ref[h] + pv
+        return carry
+
+      lax.fori_loop(0, hkv, head, 0)
 
   acc_ref[...] = jnp.zeros_like(acc_ref)
   m_ref[...] = jnp.full_like(m_ref, _NEG_INF)
@@ -192,34 +264,35 @@ def _kernel(
 
   lax.while_loop(lambda c: c[0] < seq_hi, body, (s0, kb0, jnp.int32(0)))
 
-  # Rows no key reached (padding tokens) have l == 0 and acc == 0: they come out zero.
+  # Rows no key reached (padding tokens, or every key absent) have l == 0 and acc == 0: they come
+  # out zero, with lse = -inf.
   l = l_ref[...]
   out = acc_ref[...] / jnp.where(l == 0.0, 1.0, l)
   if v_scale is not None:
     out *= v_scale
   o_ref[...] = out.astype(o_ref.dtype)
+  if return_lse:
+    lse_ref[...] = jnp.where(l == 0.0, -jnp.inf, m_ref[...] + jnp.log(jnp.where(l == 0.0, 1.0, l)))
 
 
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, Hq, D]
-    kv_cache: jax.Array,  # [num_pages, 2, Hkv, page_size, D]
-    kv_lens: jax.Array,  # [S] int32
-    page_indices: jax.Array,  # [S, P] int32
-    cu_q_lens: jax.Array,  # [S+1] int32
-    num_seqs: jax.Array,  # [1] int32
+    kv_cache: jax.Array,  # [L, num_pages, 2, Hkv, page_size, D]
+    md: AttentionMetadata,
     *,
+    layer: jax.Array | int = 0,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
-    max_q_len: int | None = None,
+    return_softmax_state: bool = False,
     block_q: int = 32,
     pages_per_block: int = 8,
     vmem_limit_bytes: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
-) -> jax.Array:  # [T, Hq, D]
-  """Same contract as the reference. `max_q_len` is not needed: cost follows the real rows.
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [T, Hq, D] (, lse [T, Hq] float32)
+  """Same contract as the reference. `md.max_q_len` is not needed: cost follows the real rows.
 
   block_q: flat query tokens per program. block_q * Hq / Hkv should be a multiple of 8 (16 for
     16-bit queries) to tile VMEM; decode-heavy steps waste fewer masked rows with a smaller one.
@@ -227,34 +300,52 @@ def ragged_paged_attention_tpu(
     multiple of the KV dtype's sublane tiling (8 for 32-bit, 16 for 16-bit) so each page lands
     on a tile boundary of the VMEM buffer.
   """
-  del max_q_len
   t, hq, d = q.shape
-  _, _, hkv, page_size, _ = kv_cache.shape
-  s, p = page_indices.shape
+  _, _, _, hkv, page_size, _ = kv_cache.shape
+  s, p = md.block_table.shape
   g = hq // hkv
   ppb = min(pages_per_block, p)
   nqb = pl.cdiv(t, block_q)
   t_pad = nqb * block_q
   rows = block_q * g
 
-  cu = sanitize_cu_q_lens(cu_q_lens.astype(jnp.int32), num_seqs)
-  seq_lo, seq_hi = q_block_seq_ranges(cu, num_seqs, block_q, nqb)
+  cu = sanitize_cu_q_lens(md.cu_q_lens.astype(jnp.int32), md.num_seqs)
+  seq_lo, seq_hi = q_block_seq_ranges(cu, md.num_seqs, block_q, nqb)
+  scalars = jnp.stack([jnp.asarray(layer, jnp.int32),
+                       window_operand(sliding_window, p * page_size)])
+
   # [T, Hq, D] -> [Hkv, T_pad*G, D]: a KV head's query group becomes contiguous rows.
   qr = jnp.pad(q, ((0, t_pad - t), (0, 0), (0, 0)))
   qr = qr.reshape(t_pad, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, t_pad * g, d)
+  block = pl.BlockSpec((hkv, rows, d), lambda i, *_: (0, i, 0))
+  inputs, in_specs = [qr, kv_cache], [block, pl.BlockSpec(memory_space=pl.ANY)]
+  tree_words = 0
+  if md.tree_mask is not None:
+    words, lag = tree_rows(md.tree_mask, cu, md.num_seqs)  # [T, NW], [T]
+    tree_words = words.shape[1]
+    tree = jnp.pad(jnp.concatenate([words, lag[:, None]], axis=1), ((0, t_pad - t), (0, 0)))
+    # [NW+1, T_pad*G, 1], row t*G+g for token t: a leading index picks one [R, 1] column, so
+    # the kernel never slices lanes.
+    inputs.append(jnp.repeat(tree, g, axis=0).T[:, :, None])
+    in_specs.append(pl.BlockSpec((tree_words + 1, rows, 1), lambda i, *_: (0, i, 0)))
+  out_shape = [jax.ShapeDtypeStruct((hkv, t_pad * g, d), q.dtype)]
+  out_specs = [block]
+  if return_softmax_state:
+    out_shape.append(jax.ShapeDtypeStruct((hkv, t_pad * g, 1), jnp.float32))
+    out_specs.append(pl.BlockSpec((hkv, rows, 1), lambda i, *_: (0, i, 0)))
 
   kernel = functools.partial(
       _kernel, block_q=block_q, pages_per_block=ppb, pages_per_seq=p, num_seq_slots=s, group=g,
-      sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
+      verify_width=md.verify_width, tree_words=tree_words, windowed=sliding_window is not None,
+      return_lse=return_softmax_state, sm_scale=sm_scale, soft_cap=soft_cap, k_scale=k_scale,
       v_scale=v_scale)
-  block = pl.BlockSpec((hkv, rows, d), lambda i, *_: (0, i, 0))
-  out = pl.pallas_call(
+  res = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=5,
+          num_scalar_prefetch=6,
           grid=(nqb,),
-          in_specs=[block, pl.BlockSpec(memory_space=pl.ANY)],
-          out_specs=block,
+          in_specs=in_specs,
+          out_specs=out_specs,
           scratch_shapes=[
               pltpu.VMEM((2, 2, hkv, ppb * page_size, d), kv_cache.dtype),
               pltpu.SemaphoreType.DMA((2,)),
@@ -263,12 +354,15 @@ def ragged_paged_attention_tpu(
               pltpu.VMEM((hkv, rows, 1), jnp.float32),
           ],
       ),
-      out_shape=jax.ShapeDtypeStruct((hkv, t_pad * g, d), q.dtype),
+      out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel",), vmem_limit_bytes=vmem_limit_bytes),
       interpret=interpret,
       name="ragged_paged_attention",
-  )(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32).reshape(-1), cu, seq_lo, seq_hi,
-    qr, kv_cache)
-  out = out.reshape(hkv, t_pad, g, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)
-  return out[:t]
+  )(scalars, md.kv_lens.astype(jnp.int32), md.block_table.astype(jnp.int32).reshape(-1), cu,
+    seq_lo, seq_hi, *inputs)
+  out = res[0].reshape(hkv, t_pad, g, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)[:t]
+  if not return_softmax_state:
+    return out
+  lse = res[1].reshape(hkv, t_pad, g).transpose(1, 0, 2).reshape(t_pad, hq)[:t]
+  return out, lse

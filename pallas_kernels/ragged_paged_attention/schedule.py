@@ -1,12 +1,14 @@
-"""How a ragged batch splits into kernel programs: which sequences and query rows each one owns.
+"""How a ragged batch splits into kernel programs: which sequences and query rows each one owns,
+and the per-row tables (tree mask, window) the kernels read.
 
-All of it is plain jnp run before the kernels, so the kernels read ready-made scalar tables instead
-of searching `cu_q_lens` themselves or carrying a cursor from one grid step to the next.
+All of it is plain jnp run before the kernels, so the kernels read ready-made tables instead of
+searching `cu_q_lens` themselves or carrying a cursor from one grid step to the next.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def sanitize_cu_q_lens(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:  # [S+1]
@@ -54,3 +56,46 @@ def seq_q_blocks(
   tok = cu_q_lens[seq_c] + (b - (ends - nblk)[seq_c]) * block_q
   live = seq < s
   return jnp.where(live, seq, -1), jnp.where(live, tok, 0).astype(jnp.int32)
+
+
+def window_operand(sliding_window: jax.Array | int | None, max_len: int) -> jax.Array:  # [] int32
+  """The sliding window as a kernel scalar, clamped to [0, max_len].
+
+  `max_len` bounds every key and query position (the block table's width in tokens), so a wider
+  window is no window and the clamp changes nothing; it keeps a "huge means none" window from
+  overflowing int32 in the kernels' position arithmetic. 0 (never read) without a window.
+  """
+  if sliding_window is None:
+    return jnp.int32(0)
+  return jnp.clip(jnp.asarray(sliding_window, jnp.int32), 0, max_len)
+
+
+def tree_rows(
+    tree_mask: jax.Array,  # [T, W] bool
+    cu_q_lens: jax.Array,  # [S+1] sanitized
+    num_seqs: jax.Array,  # [1]
+) -> tuple[jax.Array, jax.Array]:  # ([T, NW], [T]) int32
+  """Each query row's tree mask packed for the kernels, NW = cdiv(W, 32) words.
+
+  Bit j of word w says whether the row sees its sequence's new row 32*w + j. Rows of prefill
+  chunks and padding get every bit set, so a kernel applies one rule to all rows: a new key is
+  seen iff it is causally before the row and its bit is set.
+  Also each row's lag, its index among its sequence's new rows minus its depth: a tree row's
+  position for the sliding window is its causal position minus its lag (0 for causal rows).
+  """
+  t, w = tree_mask.shape
+  nw = -(-w // 32)
+  n = num_seqs[0]
+  rows = jnp.arange(t, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], rows, side="right"), 0,
+                 cu_q_lens.shape[0] - 2)  # [T]
+  idx = rows - cu_q_lens[seq]  # [T]
+  q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]  # [T]
+  tree = (q_len <= w) & (rows < cu_q_lens[n])  # [T]: rows of decode and verify sequences
+  bits = tree_mask.astype(bool) & (jnp.arange(w)[None, :] < q_len[:, None])  # [T, W]
+  depth = jnp.sum(bits, axis=1, dtype=jnp.int32) - 1  # [T]
+  bits = jnp.pad(bits, ((0, 0), (0, nw * 32 - w))).reshape(t, nw, 32)
+  words = jnp.sum(bits.astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32), axis=2,
+                  dtype=jnp.uint32)  # [T, NW]; the bits are disjoint, so the sum is their OR
+  words = jnp.where(tree[:, None], lax.bitcast_convert_type(words, jnp.int32), -1)
+  return words, jnp.where(tree, idx - depth, 0)
