@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from jinfer.weights.loader import DEFAULT_MODEL
@@ -22,22 +23,31 @@ def _params(args):
 
 
 def _stream(engine, prompt, params) -> str:
-  """Run one request, printing text as it comes; returns the whole text."""
+  """Run one request, printing text as it comes; returns the whole text. An empty answer says
+  why on stderr (an instruct model asked for a raw completion often ends its turn at once)."""
   rid = engine.add_request(None, prompt, params)
-  text = ""
+  text, finish = "", None
   while engine.has_unfinished_requests():
     for out in engine.step():
       if out.request_id == rid:
         delta = out.outputs[0].delta_text
         text += delta
+        finish = out.outputs[0].finish_reason
         print(delta, end="", flush=True)
   print()
+  if not text.strip():
+    print(f"jinfer: the model produced no text (finish reason: {finish})", file=sys.stderr)
   return text
 
 
 def cmd_generate(args):
   engine = _engine(args)
-  _stream(engine, args.prompt, _params(args))
+  prompt = args.prompt
+  if not args.raw and engine.tokenizer.chat_template is not None:
+    # As `ollama run` and `mlx_lm.generate` do: an instruct model answers a user turn.
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                  tokenize=True)
+  _stream(engine, prompt, _params(args))
 
 
 def cmd_chat(args):
@@ -52,9 +62,7 @@ def cmd_chat(args):
     if not line.strip():
       break
     messages.append({"role": "user", "content": line})
-    prompt = engine.tokenizer.encode(
-        engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True),
-        add_special_tokens=False)
+    prompt = engine.tokenizer.apply_chat_template(messages, tokenize=True)
     try:
       reply = _stream(engine, prompt, _params(args))
     except ValueError as e:  # e.g. the conversation outgrew max_model_len
@@ -130,8 +138,10 @@ def main(argv: list[str] | None = None):
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
 
-  p = sub.add_parser("generate", help="complete one prompt, streaming the text")
+  p = sub.add_parser("generate", help="answer one prompt, streaming the text")
   common(p, temperature=0.0)
+  p.add_argument("--raw", action="store_true",
+                 help="complete the prompt as plain text instead of a chat turn")
   p.add_argument("prompt")
   p.set_defaults(fn=cmd_generate)
 
@@ -197,7 +207,15 @@ def main(argv: list[str] | None = None):
   p.add_argument("--output", default=None, help="also write the JSON here")
   p.set_defaults(fn=cmd_bench_serve)
 
+  ap.add_argument("-q", "--quiet", action="store_true",
+                  help="no progress messages (loading, compiling) on stderr")
   args = ap.parse_args(argv)
+  if not args.quiet and args.command != "serve":  # the server configures its own logging
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("jinfer: %(message)s"))
+    logger = logging.getLogger("jinfer")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
   try:
     args.fn(args)
   except (ValueError, FileNotFoundError, RuntimeError) as e:

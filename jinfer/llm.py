@@ -16,13 +16,14 @@ class LLM:
   """`model`: a built-in name (default `smollm2-135m-instruct`), an HF directory or a .gguf file.
 
   Engine options (`max_model_len`, `max_num_seqs`, `page_size`, ...) go by keyword; see
-  `EngineConfig`.
+  `EngineConfig`. `skip_tokenizer_init=True` serves token-id prompts from a model without a
+  tokenizer (outputs then carry token ids and no text).
   """
 
   def __init__(self, model: str = DEFAULT_MODEL, *, dtype=None, warmup: bool = True,
-               **engine_options: Any):
+               skip_tokenizer_init: bool = False, **engine_options: Any):
     self.engine = LLMEngine(model, dtype=dtype, config=EngineConfig(**engine_options),
-                            warmup=warmup)
+                            warmup=warmup, skip_tokenizer_init=skip_tokenizer_init)
     self.tokenizer = self.engine.tokenizer
 
   def generate(self, prompts: str | Seq[str] | Seq[list[int]],
@@ -61,7 +62,6 @@ class LLM:
     """One conversation (a list of messages) or several; the chat template ends each with the
     assistant's turn."""
     convs = [messages] if messages and isinstance(messages[0], dict) else messages
-    prompts = [self.tokenizer.encode(
-        self.tokenizer.apply_chat_template(c, add_generation_prompt=True, **template_kwargs),
-        add_special_tokens=False) for c in convs]
+    prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                                  **template_kwargs) for c in convs]
     return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -25,12 +25,13 @@ class PagedBatch:
     # NaN in never-written slots: any read of an unused slot poisons the logits.
     self.cache = jnp.full(spec.shape, jnp.nan, model.dtype)
     self.lens = np.zeros(num_seqs, np.int32)
-    self._fwd = jax.jit(model.apply)
+    self._fwd = jax.jit(model.apply, static_argnames="return_hidden")
 
-  def step(self, chunks: list[list[int]], pad_to: int | None = None,
-           all_rows: bool = False) -> np.ndarray:
+  def step(self, chunks: list[list[int]], pad_to: int | None = None, all_rows: bool = False,
+           return_hidden: bool = False):
     """Append `chunks[s]` to sequence s; return logits of each sequence's last new token [S, V]
-    (or of every new token, [T, V], with `all_rows`)."""
+    (or of every new token, [T, V], with `all_rows`), and their final hidden states [S or T, E]
+    with `return_hidden`."""
     ids, pos, slots, cu = [], [], [], [0]
     for s, chunk in enumerate(chunks):
       for j, tok in enumerate(chunk):
@@ -48,6 +49,7 @@ class PagedBatch:
         kv_lens=jnp.asarray(self.lens), cu_q_lens=jnp.asarray(cu, jnp.int32),
         num_seqs=jnp.asarray([len(chunks)], jnp.int32), max_q_len=max(map(len, chunks)))
     logits_idx = jnp.arange(t) if all_rows else jnp.asarray(np.array(cu[1:]) - 1, jnp.int32)
-    logits, _, self.cache = self._fwd({"params": self.params}, jnp.asarray(ids, jnp.int32),
-                                      jnp.asarray(pos, jnp.int32), self.cache, md, logits_idx)
-    return np.asarray(logits)
+    logits, hidden, self.cache = self._fwd(
+        {"params": self.params}, jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32),
+        self.cache, md, logits_idx, return_hidden=return_hidden)
+    return (np.asarray(logits), np.asarray(hidden)) if return_hidden else np.asarray(logits)

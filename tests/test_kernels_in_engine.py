@@ -8,9 +8,9 @@ import pytest
 from pydoc_data.topics import topics
 
 from jinfer import LLM, SamplingParams
-from jinfer.models import CausalLM
+from jinfer.models import CausalLM, linear_kernels
 from jinfer.models.kernel_options import KernelOptions
-from jinfer.quant.int8 import quantize_params
+from jinfer.quant.qarray import quantize_params
 from tests.paged_batch import PagedBatch
 
 PROMPTS = ["The capital of France is", "def fib(n):"]
@@ -46,7 +46,8 @@ def test_int8_perplexity_within_two_percent():
   ppl = {}
   for mode in ("int8", "w8a8"):
     model = CausalLM(eng.model_config, KernelOptions(quantization=mode))
-    ppl[mode] = _perplexity(model, quantize_params(eng.runner.params), ids)
+    ppl[mode] = _perplexity(model, quantize_params(eng.runner.params,
+                                                   linear_kernels(eng.model_config)), ids)
   print(f"perplexity f32 {base:.3f} int8 {ppl['int8']:.3f} w8a8 {ppl['w8a8']:.3f}")
   assert abs(ppl["int8"] / base - 1) < 0.02
   assert abs(ppl["w8a8"] / base - 1) < 0.05

@@ -10,6 +10,7 @@ from typing import Iterable
 import numpy as np
 
 from jinfer.config import ModelConfig
+from jinfer.engine import compilation_cache
 from jinfer.engine.block_manager import BlockManager
 from jinfer.engine.engine_config import EngineConfig, default_dtype
 from jinfer.engine.request import CompletionOutput, RequestMetrics, RequestOutput, Sequence
@@ -64,6 +65,7 @@ class LLMEngine:
                config: EngineConfig | None = None, warmup: bool = True,
                skip_tokenizer_init: bool = False):
     dtype = dtype or default_dtype()
+    log.info("loading %s ...", model)
     t0 = time.monotonic()
     model_config, params, tokenizer = load_model(model, dtype,
                                                  load_tokenizer=not skip_tokenizer_init)
@@ -86,6 +88,8 @@ class LLMEngine:
              config: EngineConfig, dtype, warmup: bool):
     self.model_config, self.tokenizer = model_config, tokenizer
     self.config = config = config.for_model(model_config)
+    if config.compilation_cache:
+      compilation_cache.enable()
     self.max_model_len = config.max_model_len
     self.eos_ids = tuple(model_config.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer
                                                          else ())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import time
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 from flax import struct
 
 from jinfer.config import ModelConfig
+from jinfer.engine import compilation_cache
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
 from jinfer.models import CausalLM, unstack_layers
 from jinfer.models.kernel_options import KernelOptions
@@ -17,6 +19,8 @@ from jinfer.quant.qarray import param_bytes
 from jinfer.sample import SampleOutput, sample
 from jinfer.sampling_params import MAX_LOGPROBS
 from pallas_kernels import KVCacheSpec
+
+log = logging.getLogger(__name__)
 
 
 @struct.dataclass
@@ -64,8 +68,25 @@ class ModelRunner:
     # The cache is donated: XLA updates it in place instead of copying it every step.
     self._step = jax.jit(functools.partial(_step, self.model, return_hidden),
                          donate_argnums=(1,))
+    self._shapes_run: set[tuple[int, bool]] = set()
 
   def run(self, inp: StepInput) -> StepOutput:
+    shape = (inp.token_ids.shape[0], inp.prompt_logprobs)
+    if shape in self._shapes_run:
+      return self._run(inp)
+    # A shape's first run compiles it (or loads it from the persistent cache): say so, since it
+    # takes seconds.
+    log.info("compiling the %d-token step%s (kept in the compilation cache) ...", shape[0],
+             " with prompt logprobs" if shape[1] else "")
+    t0, hits = time.monotonic(), compilation_cache.cache_hits()
+    out = self._run(inp)
+    self._shapes_run.add(shape)
+    log.info("%d-token step %s in %.1f s", shape[0], "compiled" if hits ==
+             compilation_cache.cache_hits() else "loaded from the compilation cache",
+             time.monotonic() - t0)
+    return out
+
+  def _run(self, inp: StepInput) -> StepOutput:
     try:
       out, self.kv_cache = self._step(self.params, self.kv_cache, inp)
     except Exception:

@@ -147,11 +147,9 @@ class Scheduler:
       if not seq.pages:
         self._match_prefix(seq)
       remaining = seq.num_tokens - seq.num_computed_tokens
-      if remaining > 1 and prefills >= cfg.max_prefill_seqs:
-        break
       n = min(remaining, budget)
-      if not self._grow(seq, n):
-        # FCFS: nobody overtakes a request that does not fit yet. It holds no pages meanwhile,
+      if (remaining > 1 and prefills >= cfg.max_prefill_seqs) or not self._grow(seq, n):
+        # FCFS: nobody overtakes a request that cannot start yet. It holds no pages meanwhile,
         # or a waiting request could pin what the running ones need.
         self.blocks.release(seq.pages)
         seq.pages, seq.num_computed_tokens = [], 0
