@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's format) -> ModelConfig and the jinfer params tree.
 
 The config comes from the `<arch>.*` and `tokenizer.ggml.*` metadata. Tensors are renamed to HF
-names, dequantized one at a time with `gguf.quants` (the file itself is memory-mapped), and
+names, dequantized with `gguf.quants` on a thread pool (the file itself is memory-mapped), and
 llama.cpp's rotary permutation of Q/K is undone exactly as transformers undoes it, so
 `hf_to_params` sees the same tensors `AutoModelForCausalLM.from_pretrained(gguf_file=...)` would.
 """
@@ -10,14 +10,16 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from jinfer.config import ModelConfig
+from jinfer.weights.gguf_reader import GGUFFile, GGUFTensor
 from jinfer.weights.hf_layout import WeightError, hf_to_params
 
 _Q = GGMLQuantizationType
@@ -48,31 +50,17 @@ _LAYER_NAMES = {  # blk.N.<GGUF> -> model.layers.N.<HF>, without the .weight/.bi
 _HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)")
+# Values one pool task dequantizes at most (8 MiB of float32): large tensors split into row
+# blocks, so the embedding at the end of a load is not dequantized by one thread alone.
+_VALUES_PER_TASK = 1 << 21
 
 
-class _Reader(GGUFReader):
-  """GGUFReader that names the tensor a truncated or corrupt file breaks on."""
+def open_gguf(path: str) -> GGUFFile:
+  """Memory-map a GGUF file and parse its header, turning every parse failure into a
+  WeightError naming the file.
 
-  def _build_tensors(self, start_offs: int, fields: list) -> None:
-    tensors, seen = [], set()
-    for field in fields:  # one tensor-info field per tensor; `field.name` is the tensor's name
-      if field.name in seen:
-        raise ValueError(f"tensor {field.name!r} appears twice")
-      seen.add(field.name)
-      try:
-        super()._build_tensors(start_offs, [field])
-      except ValueError as e:
-        raise ValueError(f"cannot read tensor {field.name!r} from the file's {self.data.size} "
-                         f"bytes ({e})") from None
-      tensors += self.tensors
-    self.tensors = tensors
-
-
-def open_gguf(path: str) -> GGUFReader:
-  """Memory-map a GGUF file, turning every parse failure into a WeightError naming the file.
-
-  Readers are cached per file version: parsing the metadata (one numpy view per vocabulary
-  string) takes seconds, and a model's tokenizer and weights usually come from the same file.
+  Readers are cached per file version: a model's tokenizer and weights usually come from the
+  same file, and decoding a large vocabulary is the bulk of the parse.
   """
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path}: no such GGUF file")
@@ -81,25 +69,27 @@ def open_gguf(path: str) -> GGUFReader:
 
 
 @functools.lru_cache(maxsize=4)
-def _open_cached(realpath: str, size: int, mtime_ns: int, path: str) -> GGUFReader:
+def _open_cached(realpath: str, size: int, mtime_ns: int, path: str) -> GGUFFile:
   del size, mtime_ns  # cache key only: a rewritten file is parsed again
   try:
-    return _Reader(realpath)
-  except (ValueError, KeyError, IndexError, OverflowError, TypeError) as e:
-    # The reader parses with numpy views, so a file cut short fails with reshape/view errors.
+    return GGUFFile(realpath)
+  except ValueError as e:
     raise WeightError(f"{path}: truncated or corrupt GGUF file: {e}") from None
 
 
-def gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
-  """A metadata value as Python (str, int, float, bool, or a list of them), or `default`."""
+def gguf_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
+  """A metadata value as Python (str, int, float, bool, or a new list of them), or `default`."""
   field = reader.fields.get(key)
   return default if field is None else field.contents()
 
 
-def gguf_array_len(reader: GGUFReader, key: str) -> int | None:
-  """Length of an array metadata value without decoding it (the vocabulary is ~50k strings)."""
+def gguf_array_len(reader: GGUFFile, key: str) -> int | None:
+  """Length of an array metadata value without building the list (1 for a scalar, as gguf-py
+  counts it)."""
   field = reader.fields.get(key)
-  return None if field is None else len(field.data)
+  if field is None:
+    return None
+  return len(field.value) if field.types[0] == GGUFValueType.ARRAY else 1
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -143,11 +133,17 @@ def _llama3_rope_scaling(freq_factors: np.ndarray, theta: float, head_dim: int, 
   return scaling
 
 
-def _dequantized(t, source: str) -> np.ndarray:  # [rows..., cols] float32, in GGUF's row order
-  if t.tensor_type not in SUPPORTED_TYPES:
-    supported = ", ".join(q.name for q in SUPPORTED_TYPES)
-    raise WeightError(f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which jinfer "
-                      f"cannot dequantize (supported: {supported})")
+def _unsupported(t: GGUFTensor, source: str) -> WeightError | None:
+  if t.tensor_type in SUPPORTED_TYPES:
+    return None
+  supported = ", ".join(q.name for q in SUPPORTED_TYPES)
+  return WeightError(f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which jinfer "
+                     f"cannot dequantize (supported: {supported})")
+
+
+def _dequantized(t: GGUFTensor, source: str) -> np.ndarray:  # [rows..., cols] float32, GGUF order
+  if error := _unsupported(t, source):
+    raise error
   return dequantize(t.data, t.tensor_type)
 
 
@@ -161,7 +157,7 @@ def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
   return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_config(reader: GGUFReader, source: str) -> ModelConfig:
+def gguf_config(reader: GGUFFile, source: str) -> ModelConfig:
   """ModelConfig from a GGUF file's metadata (and, for tied embeddings, its tensor list)."""
   arch = gguf_value(reader, "general.architecture")
   if arch not in _ARCHITECTURES:
@@ -225,26 +221,86 @@ def gguf_config(reader: GGUFReader, source: str) -> ModelConfig:
   )
 
 
+def _start_dequantize(pool: ThreadPoolExecutor, t: GGUFTensor,
+                      rope_heads: int | None) -> Callable[[], np.ndarray]:
+  """Dequantize `t` on `pool`, large tensors in row blocks; the returned call waits for it.
+
+  Q/K rows are put back in HF's order before dequantizing (rows dequantize independently), so
+  the permutation moves a few bits per value rather than float32s.
+  """
+  data = t.data  # [rows, row bytes] for block types, [rows, cols] otherwise (1-D: [cols])
+  rows = data.shape[0] if data.ndim > 1 else 1
+  # Which stored row each output row comes from; None keeps the row blocks views of the file.
+  order = (_unpermute_rope(np.arange(rows), rope_heads) if rope_heads and data.ndim > 1
+           else None)
+  step = max(1, _VALUES_PER_TASK * rows // max(t.n_elements, 1))
+  if data.ndim < 2 or step >= rows:
+    return pool.submit(lambda: dequantize(data if order is None else data[order],
+                                          t.tensor_type)).result
+
+  out = np.empty(t.shape[::-1], np.float32)  # [rows, ..., cols]
+
+  def block(a: int) -> None:
+    b = min(a + step, rows)
+    out[a:b] = dequantize(data[a:b] if order is None else data[order[a:b]], t.tensor_type)
+
+  blocks = [pool.submit(block, a) for a in range(0, rows, step)]
+
+  def wait() -> np.ndarray:
+    for f in blocks:
+      f.result()
+    return out
+
+  return wait
+
+
 def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
-  """Read a GGUF file into (config, params), dequantizing one tensor at a time."""
+  """Read a GGUF file into (config, params), dequantizing on a thread pool ahead of use."""
   reader = open_gguf(path)
   config = gguf_config(reader, path)
   by_hf_name = {hf: t for t in reader.tensors if (hf := gguf_to_hf_name(t.name))}
-  # llama.cpp permutes Q/K rows only for its llama architecture; Qwen already uses HF's rope.
-  permute = config.architecture == "llama"
 
-  def get(name: str) -> np.ndarray:
+  def rope_heads(name: str) -> int | None:
+    # llama.cpp permutes Q/K rows only for its llama architecture; Qwen already uses HF's rope.
+    if config.architecture != "llama":
+      return None
+    return (config.num_heads if ".q_proj." in name
+            else config.num_kv_heads if ".k_proj." in name else None)
+
+  def problem(name: str) -> WeightError | None:
     t = by_hf_name.get(name)
     if t is None:
-      raise WeightError(f"{path}: missing tensor {hf_to_gguf_name(name)!r} (HF {name!r})")
-    w = _dequantized(t, path)
-    is_q, is_k = ".q_proj." in name, ".k_proj." in name
-    if permute and (is_q or is_k):
-      heads = config.num_heads if is_q else config.num_kv_heads
-      if w.shape[0] != heads * config.head_dim:
-        raise WeightError(f"{path}: tensor {t.name!r} has {w.shape[0]} rows, expected "
-                          f"{heads} heads x {config.head_dim}")
-      w = _unpermute_rope(w, heads)
-    return w
+      return WeightError(f"{path}: missing tensor {hf_to_gguf_name(name)!r} (HF {name!r})")
+    if error := _unsupported(t, path):
+      return error
+    heads, rows = rope_heads(name), t.shape[-1] if t.shape else 1
+    if heads and rows != heads * config.head_dim:
+      return WeightError(f"{path}: tensor {t.name!r} has {rows} rows, expected {heads} heads x "
+                         f"{config.head_dim}")
+    return None
 
-  return config, hf_to_params(config, get, dtype=dtype, source=path)
+  # numpy releases the GIL inside gguf.quants' array operations, so threads dequantize in
+  # parallel, and alongside hf_to_params rearranging the tensors already done.
+  workers = os.cpu_count() or 1
+  pool = ThreadPoolExecutor(workers)
+  pending: dict[str, Callable[[], np.ndarray]] = {}
+
+  def start(name: str) -> None:
+    # A bad tensor is left for `get` to report, so errors come in the order tensors are asked for.
+    if name not in pending and problem(name) is None:
+      pending[name] = _start_dequantize(pool, by_hf_name[name], rope_heads(name))
+
+  def get(name: str) -> np.ndarray:
+    if error := problem(name):
+      raise error
+    start(name)
+    # hf_to_params walks each per-layer tensor through all layers: keep the next few in flight.
+    if m := _HF_LAYER_RE.fullmatch(name):
+      for i in range(int(m[1]) + 1, int(m[1]) + 1 + workers):
+        start(f"model.layers.{i}.{m[2]}.{m[3]}")
+    return pending.pop(name)()
+
+  try:
+    return config, hf_to_params(config, get, dtype=dtype, source=path)
+  finally:
+    pool.shutdown(cancel_futures=True)
