@@ -77,29 +77,31 @@ class GGUFFile:
         "GGUF.kv_count": GGUFField((_V.UINT64,), n_kv)}
 
     for i in range(n_kv):
-      key = f"#{i}"
+      where = f"metadata entry {i}"
       try:
         key, off = self._string(off)
+        where = f"metadata {key!r}"
         (vtype,), off = self._unpack("I", off)
         types, value, off = self._value(off, vtype)
       except RecursionError:
-        raise ValueError(f"metadata {key!r}: arrays nested too deeply") from None
+        raise ValueError(f"{where}: arrays nested too deeply") from None
       except ValueError as e:
-        raise ValueError(f"metadata {key!r}: {e}") from None
+        raise ValueError(f"{where}: {e}") from None
       if key in self.fields:
         raise ValueError(f"metadata key {key!r} appears twice")
       self.fields[key] = GGUFField(types, value)
 
     infos = []  # (name, dims, raw type, offset in the data section) per tensor
     for i in range(n_tensors):
-      name = f"#{i}"
+      where = f"tensor info {i}"
       try:
         name, off = self._string(off)
+        where = f"tensor info {name!r}"
         (n_dims,), off = self._unpack("I", off)
         dims, off = self._unpack(f"{n_dims}Q", off)
         (raw_type, rel), off = self._unpack("IQ", off)
       except ValueError as e:
-        raise ValueError(f"tensor info {name!r}: {e}") from None
+        raise ValueError(f"{where}: {e}") from None
       infos.append((name, dims, raw_type, rel))
 
     self.alignment = GGUF_DEFAULT_ALIGNMENT
