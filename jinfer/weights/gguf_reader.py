@@ -58,7 +58,9 @@ class GGUFFile:
   bytes `data`. A truncated or corrupt file raises ValueError saying where it breaks."""
 
   def __init__(self, path: str):
-    self.data = np.memmap(path, mode="r")  # [file size] uint8
+    # [file size] uint8. A plain ndarray view of the mapping: views of an np.memmap run Python
+    # code for every further view taken of them, and gguf.quants takes hundreds per tensor.
+    self.data = np.memmap(path, mode="r").view(np.ndarray)
     self._buf = memoryview(self.data)
     if self.data.size < 4 or struct.unpack_from("<I", self._buf)[0] != GGUF_MAGIC:
       raise ValueError("no GGUF magic number at the start")
