@@ -15,7 +15,6 @@ import torch
 import transformers
 
 from jinfer.models import CausalLM, param_shapes
-from jinfer.weights import gguf_file
 from jinfer.weights.gguf_file import gguf_array_len, gguf_to_hf_name, gguf_value, load_gguf, open_gguf
 from jinfer.weights.gguf_reader import GGUFFile
 from jinfer.weights.hf_layout import WeightError, hf_to_params
@@ -133,16 +132,6 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
   write_tiny_gguf(bad, "llama", extra=lambda w: w.add_tensor("rope_freqs.weight", factors[::-1].copy()))
   with pytest.raises(WeightError, match="rope_freqs"):
     load_gguf(bad)
-
-
-def test_row_blocks_match_whole_tensors(tmp_path, monkeypatch):
-  """Tensors dequantized in row blocks (and Q/K un-permuted block by block) equal whole ones."""
-  path = str(tmp_path / "blocks.gguf")
-  write_tiny_gguf(path, "llama")
-  _, whole = load_gguf(path)
-  monkeypatch.setattr(gguf_file, "_VALUES_PER_TASK", 1000)  # 3 rows of 256 values per task
-  _, blocks = load_gguf(path)
-  jax.tree.map(np.testing.assert_array_equal, blocks, whole)
 
 
 # --- the GGUF reader against gguf-py's GGUFReader ----------------------------------------------

@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's format) -> ModelConfig and the jinfer params tree.
 
 The config comes from the `<arch>.*` and `tokenizer.ggml.*` metadata. Tensors are renamed to HF
-names, dequantized with `gguf.quants` on a thread pool (the file itself is memory-mapped), and
+names, dequantized one at a time with `gguf.quants` (the file itself is memory-mapped), and
 llama.cpp's rotary permutation of Q/K is undone exactly as transformers undoes it, so
 `hf_to_params` sees the same tensors `AutoModelForCausalLM.from_pretrained(gguf_file=...)` would.
 """
@@ -10,8 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -50,9 +49,6 @@ _LAYER_NAMES = {  # blk.N.<GGUF> -> model.layers.N.<HF>, without the .weight/.bi
 _HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)")
-# Values one pool task dequantizes at most (8 MiB of float32): large tensors split into row
-# blocks, so the embedding at the end of a load is not dequantized by one thread alone.
-_VALUES_PER_TASK = 1 << 21
 
 
 def open_gguf(path: str) -> GGUFFile:
@@ -133,17 +129,11 @@ def _llama3_rope_scaling(freq_factors: np.ndarray, theta: float, head_dim: int, 
   return scaling
 
 
-def _unsupported(t: GGUFTensor, source: str) -> WeightError | None:
-  if t.tensor_type in SUPPORTED_TYPES:
-    return None
-  supported = ", ".join(q.name for q in SUPPORTED_TYPES)
-  return WeightError(f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which jinfer "
-                     f"cannot dequantize (supported: {supported})")
-
-
-def _dequantized(t: GGUFTensor, source: str) -> np.ndarray:  # [rows..., cols] float32, GGUF order
-  if error := _unsupported(t, source):
-    raise error
+def _dequantized(t: GGUFTensor, source: str) -> np.ndarray:  # [rows..., cols] float32
+  if t.tensor_type not in SUPPORTED_TYPES:
+    supported = ", ".join(q.name for q in SUPPORTED_TYPES)
+    raise WeightError(f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which jinfer "
+                      f"cannot dequantize (supported: {supported})")
   return dequantize(t.data, t.tensor_type)
 
 
@@ -221,86 +211,34 @@ def gguf_config(reader: GGUFFile, source: str) -> ModelConfig:
   )
 
 
-def _start_dequantize(pool: ThreadPoolExecutor, t: GGUFTensor,
-                      rope_heads: int | None) -> Callable[[], np.ndarray]:
-  """Dequantize `t` on `pool`, large tensors in row blocks; the returned call waits for it.
-
-  Q/K rows are put back in HF's order before dequantizing (rows dequantize independently), so
-  the permutation moves a few bits per value rather than float32s.
-  """
-  data = t.data  # [rows, row bytes] for block types, [rows, cols] otherwise (1-D: [cols])
-  rows = data.shape[0] if data.ndim > 1 else 1
-  # Which stored row each output row comes from; None keeps the row blocks views of the file.
-  order = (_unpermute_rope(np.arange(rows), rope_heads) if rope_heads and data.ndim > 1
-           else None)
-  step = max(1, _VALUES_PER_TASK * rows // max(t.n_elements, 1))
-  if data.ndim < 2 or step >= rows:
-    return pool.submit(lambda: dequantize(data if order is None else data[order],
-                                          t.tensor_type)).result
-
-  out = np.empty(t.shape[::-1], np.float32)  # [rows, ..., cols]
-
-  def block(a: int) -> None:
-    b = min(a + step, rows)
-    out[a:b] = dequantize(data[a:b] if order is None else data[order[a:b]], t.tensor_type)
-
-  blocks = [pool.submit(block, a) for a in range(0, rows, step)]
-
-  def wait() -> np.ndarray:
-    for f in blocks:
-      f.result()
-    return out
-
-  return wait
-
-
 def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
-  """Read a GGUF file into (config, params), dequantizing on a thread pool ahead of use."""
+  """Read a GGUF file into (config, params), dequantizing one tensor at a time.
+
+  Dequantizing on a thread pool (tensors ahead of hf_to_params, large ones in row blocks)
+  measured slower: gguf.quants works through many small numpy operations per tensor with
+  Python in between, which leaves threads little to overlap.
+  """
   reader = open_gguf(path)
   config = gguf_config(reader, path)
   by_hf_name = {hf: t for t in reader.tensors if (hf := gguf_to_hf_name(t.name))}
-
-  def rope_heads(name: str) -> int | None:
-    # llama.cpp permutes Q/K rows only for its llama architecture; Qwen already uses HF's rope.
-    if config.architecture != "llama":
-      return None
-    return (config.num_heads if ".q_proj." in name
-            else config.num_kv_heads if ".k_proj." in name else None)
-
-  def problem(name: str) -> WeightError | None:
-    t = by_hf_name.get(name)
-    if t is None:
-      return WeightError(f"{path}: missing tensor {hf_to_gguf_name(name)!r} (HF {name!r})")
-    if error := _unsupported(t, path):
-      return error
-    heads, rows = rope_heads(name), t.shape[-1] if t.shape else 1
-    if heads and rows != heads * config.head_dim:
-      return WeightError(f"{path}: tensor {t.name!r} has {rows} rows, expected {heads} heads x "
-                         f"{config.head_dim}")
-    return None
-
-  # numpy releases the GIL inside gguf.quants' array operations, so threads dequantize in
-  # parallel, and alongside hf_to_params rearranging the tensors already done.
-  workers = os.cpu_count() or 1
-  pool = ThreadPoolExecutor(workers)
-  pending: dict[str, Callable[[], np.ndarray]] = {}
-
-  def start(name: str) -> None:
-    # A bad tensor is left for `get` to report, so errors come in the order tensors are asked for.
-    if name not in pending and problem(name) is None:
-      pending[name] = _start_dequantize(pool, by_hf_name[name], rope_heads(name))
+  # llama.cpp permutes Q/K rows only for its llama architecture; Qwen already uses HF's rope.
+  permute = config.architecture == "llama"
 
   def get(name: str) -> np.ndarray:
-    if error := problem(name):
-      raise error
-    start(name)
-    # hf_to_params walks each per-layer tensor through all layers: keep the next few in flight.
-    if m := _HF_LAYER_RE.fullmatch(name):
-      for i in range(int(m[1]) + 1, int(m[1]) + 1 + workers):
-        start(f"model.layers.{i}.{m[2]}.{m[3]}")
-    return pending.pop(name)()
+    t = by_hf_name.get(name)
+    if t is None:
+      raise WeightError(f"{path}: missing tensor {hf_to_gguf_name(name)!r} (HF {name!r})")
+    is_q, is_k = ".q_proj." in name, ".k_proj." in name
+    if permute and (is_q or is_k) and t.tensor_type in SUPPORTED_TYPES:
+      heads = config.num_heads if is_q else config.num_kv_heads
+      rows = t.shape[-1] if t.shape else 1  # GGUF lists dimensions innermost first
+      if rows != heads * config.head_dim:
+        raise WeightError(f"{path}: tensor {t.name!r} has {rows} rows, expected "
+                          f"{heads} heads x {config.head_dim}")
+      if t.data.ndim > 1:  # a 1-D tensor is left to fail hf_to_params' shape check
+        # Rows dequantize independently: moving the stored rows ([rows, row bytes] for block
+        # types) copies a fraction of the bytes that moving the float32 rows would.
+        t = t._replace(data=_unpermute_rope(t.data, heads))
+    return _dequantized(t, path)
 
-  try:
-    return config, hf_to_params(config, get, dtype=dtype, source=path)
-  finally:
-    pool.shutdown(cancel_futures=True)
+  return config, hf_to_params(config, get, dtype=dtype, source=path)
