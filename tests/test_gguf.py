@@ -15,7 +15,8 @@ import torch
 import transformers
 
 from jinfer.models import CausalLM, param_shapes
-from jinfer.weights.gguf_file import gguf_array_len, gguf_to_hf_name, gguf_value, load_gguf, open_gguf
+from jinfer.weights.gguf_file import (gguf_array_len, gguf_to_hf_name, gguf_value, load_gguf,
+                                     open_gguf)
 from jinfer.weights.gguf_reader import GGUFFile
 from jinfer.weights.hf_layout import WeightError, hf_to_params
 from pallas_kernels import AttentionMetadata, KVCacheSpec
@@ -181,7 +182,8 @@ READER_FILES = {
     "qwen3": lambda p: write_tiny_gguf(p, "qwen3"),
     "f32": lambda p: write_tiny_gguf(p, "llama", all_f32=True),
     "every-value-type": lambda p: write_tiny_gguf(p, "llama", extra=_add_every_value_type),
-    "alignment-64": lambda p: write_tiny_gguf(p, "llama", extra=lambda w: w.add_custom_alignment(64)),
+    "alignment-64": lambda p: write_tiny_gguf(p, "llama",
+                                              extra=lambda w: w.add_custom_alignment(64)),
     "other-storage-types": lambda p: write_tiny_gguf(p, "llama", replace={
         "blk.0.attn_norm.weight": np.arange(HIDDEN, dtype=np.int32),
         "blk.0.ffn_norm.weight": np.linspace(0, 1, HIDDEN, dtype=np.float64),
@@ -202,9 +204,10 @@ def test_reader_reads_big_endian_files(tmp_path):
   path = str(tmp_path / "be.gguf")
   w = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian.BIG)
   _add_every_value_type(w)
-  w.add_tensor("a.weight", np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32))
-  w.add_tensor("b.weight", np.linspace(-1, 1, 64, dtype=np.float16))
-  w.add_tensor("c.weight", gguf.quants.quantize(np.ones((2, 32), np.float32), gguf.GGMLQuantizationType.Q8_0),
+  a = np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32)
+  w.add_tensor("a.weight", a)
+  w.add_tensor("b.weight", a.astype(np.float16))
+  w.add_tensor("c.weight", gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
                raw_dtype=gguf.GGMLQuantizationType.Q8_0)
   w.write_header_to_file()
   w.write_kv_data_to_file()
@@ -213,7 +216,7 @@ def test_reader_reads_big_endian_files(tmp_path):
   assert_reader_matches_gguf_py(path)
   reader = GGUFFile(path)
   assert reader.byte_order == ">" and gguf_value(reader, "test.uint16") == 65535
-  np.testing.assert_array_equal(reader.tensors[0].data, np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32))
+  np.testing.assert_array_equal(reader.tensors[0].data, a)
 
 
 def test_reader_reads_version_2(tmp_path):
@@ -226,7 +229,7 @@ def test_reader_reads_version_2(tmp_path):
   assert gguf_value(open_gguf(path), "GGUF.version") == 2
 
 
-def _handmade_gguf(path, kvs: list[tuple[str, int, bytes]], version: int = 3) -> None:
+def _handmade_gguf(path: str, kvs: list[tuple[str, int, bytes]], version: int = 3) -> None:
   """A GGUF file without tensors, metadata given as (key, value type, encoded value)."""
   out = struct.pack("<IIQQ", gguf.GGUF_MAGIC, version, 0, len(kvs))
   for key, vtype, payload in kvs:
@@ -236,7 +239,7 @@ def _handmade_gguf(path, kvs: list[tuple[str, int, bytes]], version: int = 3) ->
 
 
 def test_reader_reads_empty_arrays(tmp_path):
-  """gguf-py's writer cannot write empty arrays; llama.cpp's can."""
+  """gguf-py's writer refuses empty arrays, so this file is put together by hand."""
   path = str(tmp_path / "empty.gguf")
   inner = struct.pack("<IQ", V.INT32, 0) + struct.pack("<IQi", V.INT32, 1, 7)
   _handmade_gguf(path, [("a.uint8", V.ARRAY, struct.pack("<IQ", V.UINT8, 0)),
@@ -341,7 +344,8 @@ def test_duplicate_tensor_names(tmp_path):
   path = str(tmp_path / "dup.gguf")
   write_tiny_gguf(path, "llama")
   _patched(path, b"blk.1.attn_q.weight", b"blk.0.attn_q.weight")
-  with pytest.raises(WeightError, match=rf"{path}: .*tensor 'blk\.0\.attn_q\.weight' appears twice"):
+  with pytest.raises(WeightError,
+                     match=rf"{path}: .*tensor 'blk\.0\.attn_q\.weight' appears twice"):
     load_gguf(path)
 
 
@@ -364,7 +368,8 @@ def test_bad_metadata(tmp_path):
        "general.alignment has type UINT64"),
       ("long-array", [("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2**60))],
        r"metadata 'k': an array of 1152921504606846976 strings runs past the end"),
-      ("utf8", [("k", V.STRING, struct.pack("<Q", 2) + b"\xff\xfe")], "metadata 'k': 'utf-8' codec")]:
+      ("utf8", [("k", V.STRING, struct.pack("<Q", 2) + b"\xff\xfe")],
+       "metadata 'k': 'utf-8' codec")]:
     path = str(tmp_path / f"{name}.gguf")
     _handmade_gguf(path, kvs, version=4 if name == "version" else 3)
     with pytest.raises(WeightError, match=rf"{path}: truncated or corrupt GGUF file: {message}"):

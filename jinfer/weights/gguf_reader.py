@@ -148,16 +148,19 @@ class GGUFFile:
       tensors.append(GGUFTensor(name, qtype, dims, n_elements, n_bytes, start, data))
     return tensors
 
+  def _past_end(self, what: str) -> ValueError:
+    return ValueError(f"{what} runs past the end of the file's {self.data.size} bytes")
+
   def _unpack(self, fmt: str, off: int) -> tuple[tuple, int]:
     s = struct.Struct(self.byte_order + fmt)
     if off + s.size > self.data.size:
-      raise ValueError(f"runs past the end of the file's {self.data.size} bytes")
+      raise self._past_end("the entry")
     return s.unpack_from(self._buf, off), off + s.size
 
   def _string(self, off: int) -> tuple[str, int]:
     (n,), off = self._unpack("Q", off)
     if off + n > self.data.size:
-      raise ValueError(f"a {n}-byte string runs past the end of the file's {self.data.size} bytes")
+      raise self._past_end(f"a {n}-byte string")
     return str(self._buf[off:off + n], "utf-8"), off + n
 
   def _value(self, off: int, vtype: int) -> tuple[tuple[GGUFValueType, ...], Any, int]:
@@ -175,8 +178,7 @@ class GGUFFile:
     if itype in _SCALARS:
       dtype = np.dtype(self.byte_order + _SCALARS[itype])
       if off + n * dtype.itemsize > self.data.size:
-        raise ValueError(f"an array of {n} {itype.name} runs past the end of the file's "
-                         f"{self.data.size} bytes")
+        raise self._past_end(f"an array of {n} {itype.name}")
       return types, np.frombuffer(self._buf, dtype, n, off), off + n * dtype.itemsize
     if itype == _V.STRING:
       strings, off = self._strings(off, n)
@@ -184,8 +186,7 @@ class GGUFFile:
     # Arrays of arrays come flattened, as GGUFReader gives them. Each element is at least an
     # array header (12 bytes), which bounds a corrupt length before the loop trusts it.
     if off + 12 * n > self.data.size:
-      raise ValueError(f"an array of {n} arrays runs past the end of the file's "
-                       f"{self.data.size} bytes")
+      raise self._past_end(f"an array of {n} arrays")
     flat = []
     for i in range(n):
       inner, value, off = self._value(off, itype)
@@ -197,15 +198,15 @@ class GGUFFile:
     """`n` strings from `off` in one tight loop: vocabularies hold tens of thousands."""
     buf, size = self._buf, self.data.size
     if off + 8 * n > size:  # each string has at least its 8-byte length
-      raise ValueError(f"an array of {n} strings runs past the end of the file's {size} bytes")
+      raise self._past_end(f"an array of {n} strings")
     length = struct.Struct(self.byte_order + "Q").unpack_from
     out = []
     for i in range(n):
       if off + 8 > size:
-        raise ValueError(f"string {i} of {n} runs past the end of the file's {size} bytes")
+        raise self._past_end(f"string {i} of {n}")
       (k,) = length(buf, off)
       start, off = off + 8, off + 8 + k
       if off > size:
-        raise ValueError(f"string {i} of {n} runs past the end of the file's {size} bytes")
+        raise self._past_end(f"string {i} of {n}")
       out.append(str(buf[start:off], "utf-8"))
     return tuple(out), off
