@@ -15,6 +15,7 @@ import torch
 import transformers
 
 from jinfer.models import CausalLM, param_shapes
+from jinfer.weights import gguf_file
 from jinfer.weights.gguf_file import (gguf_array_len, gguf_to_hf_name, gguf_value, load_gguf,
                                      open_gguf)
 from jinfer.weights.gguf_reader import GGUFFile
@@ -133,6 +134,15 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
   write_tiny_gguf(bad, "llama", extra=lambda w: w.add_tensor("rope_freqs.weight", factors[::-1].copy()))
   with pytest.raises(WeightError, match="rope_freqs"):
     load_gguf(bad)
+
+
+def test_joined_rows_dequantize_as_gguf_py(tmp_path):
+  """Short rows are joined before gguf.quants.dequantize (97 rows join with no other)."""
+  path = str(tmp_path / "rows.gguf")
+  write_tiny_gguf(path, "llama", replace={"output.weight": np.ones((97, HIDDEN), np.float32)})
+  for t in open_gguf(path).tensors:
+    np.testing.assert_array_equal(gguf_file._dequantized(t, path),
+                                  gguf.quants.dequantize(t.data, t.tensor_type), err_msg=t.name)
 
 
 # --- the GGUF reader against gguf-py's GGUFReader ----------------------------------------------

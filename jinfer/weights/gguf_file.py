@@ -49,6 +49,8 @@ _LAYER_NAMES = {  # blk.N.<GGUF> -> model.layers.N.<HF>, without the .weight/.bi
 _HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)")
+# Values per row handed to gguf.quants.dequantize at most; rows shorter than this are joined.
+_ROW_VALUES = 4096
 
 
 def open_gguf(path: str) -> GGUFFile:
@@ -134,7 +136,15 @@ def _dequantized(t: GGUFTensor, source: str) -> np.ndarray:  # [rows..., cols] f
     supported = ", ".join(q.name for q in SUPPORTED_TYPES)
     raise WeightError(f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which jinfer "
                       f"cannot dequantize (supported: {supported})")
-  return dequantize(t.data, t.tensor_type)
+  if t.data.ndim != 2:
+    return dequantize(t.data, t.tensor_type)
+  # gguf.quants dequantizes 16 rows per round of numpy calls, so short rows spend most of the
+  # time in Python between rounds. Blocks never straddle rows: k rows dequantize as one.
+  cols, rows = t.shape
+  most = max(1, _ROW_VALUES // max(cols, 1))
+  k = next(d for d in range(most, 0, -1) if rows % d == 0)
+  return dequantize(t.data.reshape(rows // k, k * t.data.shape[1]),
+                    t.tensor_type).reshape(rows, cols)
 
 
 def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
