@@ -239,7 +239,7 @@ def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
     if t is None:
       raise WeightError(f"{path}: missing tensor {hf_to_gguf_name(name)!r} (HF {name!r})")
     is_q, is_k = ".q_proj." in name, ".k_proj." in name
-    if permute and (is_q or is_k) and t.tensor_type in SUPPORTED_TYPES:
+    if permute and (is_q or is_k):
       heads = config.num_heads if is_q else config.num_kv_heads
       rows = t.shape[-1] if t.shape else 1  # GGUF lists dimensions innermost first
       if rows != heads * config.head_dim:
