@@ -14,10 +14,11 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from jinfer.config import ModelConfig
+from jinfer.weights.gguf_reader import GGUFFile, GGUFTensor
 from jinfer.weights.hf_layout import WeightError, hf_to_params
 
 _Q = GGMLQuantizationType
@@ -48,31 +49,16 @@ _LAYER_NAMES = {  # blk.N.<GGUF> -> model.layers.N.<HF>, without the .weight/.bi
 _HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)")
+# Values per row handed to gguf.quants.dequantize at most; rows shorter than this are joined.
+_ROW_VALUES = 4096
 
 
-class _Reader(GGUFReader):
-  """GGUFReader that names the tensor a truncated or corrupt file breaks on."""
+def open_gguf(path: str) -> GGUFFile:
+  """Memory-map a GGUF file and parse its header, turning every parse failure into a
+  WeightError naming the file.
 
-  def _build_tensors(self, start_offs: int, fields: list) -> None:
-    tensors, seen = [], set()
-    for field in fields:  # one tensor-info field per tensor; `field.name` is the tensor's name
-      if field.name in seen:
-        raise ValueError(f"tensor {field.name!r} appears twice")
-      seen.add(field.name)
-      try:
-        super()._build_tensors(start_offs, [field])
-      except ValueError as e:
-        raise ValueError(f"cannot read tensor {field.name!r} from the file's {self.data.size} "
-                         f"bytes ({e})") from None
-      tensors += self.tensors
-    self.tensors = tensors
-
-
-def open_gguf(path: str) -> GGUFReader:
-  """Memory-map a GGUF file, turning every parse failure into a WeightError naming the file.
-
-  Readers are cached per file version: parsing the metadata (one numpy view per vocabulary
-  string) takes seconds, and a model's tokenizer and weights usually come from the same file.
+  Readers are cached per file version: a model's tokenizer and weights usually come from the
+  same file, and decoding a large vocabulary is the bulk of the parse.
   """
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path}: no such GGUF file")
@@ -81,25 +67,27 @@ def open_gguf(path: str) -> GGUFReader:
 
 
 @functools.lru_cache(maxsize=4)
-def _open_cached(realpath: str, size: int, mtime_ns: int, path: str) -> GGUFReader:
+def _open_cached(realpath: str, size: int, mtime_ns: int, path: str) -> GGUFFile:
   del size, mtime_ns  # cache key only: a rewritten file is parsed again
   try:
-    return _Reader(realpath)
-  except (ValueError, KeyError, IndexError, OverflowError, TypeError) as e:
-    # The reader parses with numpy views, so a file cut short fails with reshape/view errors.
+    return GGUFFile(realpath)
+  except ValueError as e:
     raise WeightError(f"{path}: truncated or corrupt GGUF file: {e}") from None
 
 
-def gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
-  """A metadata value as Python (str, int, float, bool, or a list of them), or `default`."""
+def gguf_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
+  """A metadata value as Python (str, int, float, bool, or a new list of them), or `default`."""
   field = reader.fields.get(key)
   return default if field is None else field.contents()
 
 
-def gguf_array_len(reader: GGUFReader, key: str) -> int | None:
-  """Length of an array metadata value without decoding it (the vocabulary is ~50k strings)."""
+def gguf_array_len(reader: GGUFFile, key: str) -> int | None:
+  """Length of an array metadata value without building the list (1 for a scalar, as gguf-py
+  counts it)."""
   field = reader.fields.get(key)
-  return None if field is None else len(field.data)
+  if field is None:
+    return None
+  return len(field.value) if field.types[0] == GGUFValueType.ARRAY else 1
 
 
 def gguf_to_hf_name(name: str) -> str | None:
@@ -143,12 +131,20 @@ def _llama3_rope_scaling(freq_factors: np.ndarray, theta: float, head_dim: int, 
   return scaling
 
 
-def _dequantized(t, source: str) -> np.ndarray:  # [rows..., cols] float32, in GGUF's row order
+def _dequantized(t: GGUFTensor, source: str) -> np.ndarray:  # [rows..., cols] float32
   if t.tensor_type not in SUPPORTED_TYPES:
     supported = ", ".join(q.name for q in SUPPORTED_TYPES)
     raise WeightError(f"{source}: tensor {t.name!r} has type {t.tensor_type.name}, which jinfer "
                       f"cannot dequantize (supported: {supported})")
-  return dequantize(t.data, t.tensor_type)
+  if t.data.ndim != 2:
+    return dequantize(t.data, t.tensor_type)
+  # gguf.quants dequantizes 16 rows per round of numpy calls, so short rows spend most of the
+  # time in Python between rounds. Blocks never straddle rows: k rows dequantize as one.
+  cols, rows = t.shape
+  most = max(1, _ROW_VALUES // max(cols, 1))
+  k = next(d for d in range(most, 0, -1) if rows % d == 0)
+  return dequantize(t.data.reshape(rows // k, k * t.data.shape[1]),
+                    t.tensor_type).reshape(rows, cols)
 
 
 def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
@@ -161,7 +157,7 @@ def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
   return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_config(reader: GGUFReader, source: str) -> ModelConfig:
+def gguf_config(reader: GGUFFile, source: str) -> ModelConfig:
   """ModelConfig from a GGUF file's metadata (and, for tied embeddings, its tensor list)."""
   arch = gguf_value(reader, "general.architecture")
   if arch not in _ARCHITECTURES:
@@ -226,7 +222,12 @@ def gguf_config(reader: GGUFReader, source: str) -> ModelConfig:
 
 
 def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
-  """Read a GGUF file into (config, params), dequantizing one tensor at a time."""
+  """Read a GGUF file into (config, params), dequantizing one tensor at a time.
+
+  Dequantizing on a thread pool (tensors ahead of hf_to_params, large ones in row blocks)
+  measured slower: gguf.quants works through many small numpy operations per tensor with
+  Python in between, which leaves threads little to overlap.
+  """
   reader = open_gguf(path)
   config = gguf_config(reader, path)
   by_hf_name = {hf: t for t in reader.tensors if (hf := gguf_to_hf_name(t.name))}
@@ -237,14 +238,17 @@ def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
     t = by_hf_name.get(name)
     if t is None:
       raise WeightError(f"{path}: missing tensor {hf_to_gguf_name(name)!r} (HF {name!r})")
-    w = _dequantized(t, path)
     is_q, is_k = ".q_proj." in name, ".k_proj." in name
     if permute and (is_q or is_k):
       heads = config.num_heads if is_q else config.num_kv_heads
-      if w.shape[0] != heads * config.head_dim:
-        raise WeightError(f"{path}: tensor {t.name!r} has {w.shape[0]} rows, expected "
+      rows = t.shape[-1] if t.shape else 1  # GGUF lists dimensions innermost first
+      if rows != heads * config.head_dim:
+        raise WeightError(f"{path}: tensor {t.name!r} has {rows} rows, expected "
                           f"{heads} heads x {config.head_dim}")
-      w = _unpermute_rope(w, heads)
-    return w
+      if t.data.ndim > 1:  # a 1-D tensor is left to fail hf_to_params' shape check
+        # Rows dequantize independently: moving the stored rows ([rows, row bytes] for block
+        # types) copies a fraction of the bytes that moving the float32 rows would.
+        t = t._replace(data=_unpermute_rope(t.data, heads))
+    return _dequantized(t, path)
 
   return config, hf_to_params(config, get, dtype=dtype, source=path)
