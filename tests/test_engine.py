@@ -267,3 +267,22 @@ def test_a_failed_step_fails_its_requests_and_the_engine_recovers(loaded):
   eng.blocks.check_consistency()
   assert eng.blocks.num_free_pages == eng.blocks.num_usable_pages
   assert _run(eng, prompts, GREEDY) == want  # recomputed from scratch, same tokens
+
+
+def test_token_ids_without_a_tokenizer(loaded, tmp_path_factory, smollm2_gguf):
+  """skip_tokenizer_init: a model directory without tokenizer.json serves token-id prompts."""
+  from jinfer.engine.engine import LLMEngine
+  from jinfer.engine.engine_config import EngineConfig
+  path = str(tmp_path_factory.mktemp("no_tokenizer"))
+  tiny_loaded(path, smollm2_gguf)  # writes config.json and weights, no tokenizer files
+  eng = LLMEngine(path, skip_tokenizer_init=True, warmup=False,
+                  config=EngineConfig(max_model_len=128, max_num_batched_tokens=32))
+  assert eng.tokenizer is None
+  prompt = _prompts(1, seed=16)[0][:20]
+  out = _run(eng, [prompt], GREEDY)[0]
+  assert out == _run(make_engine(loaded, warmup=False, max_model_len=128,
+                                 max_num_batched_tokens=32), [prompt], GREEDY)[0]
+  with pytest.raises(ValueError, match="no tokenizer"):
+    eng.add_request(None, "text needs a tokenizer", GREEDY)
+  with pytest.raises(ValueError, match="stop strings"):
+    eng.add_request(None, prompt, SamplingParams(stop=["x"]))

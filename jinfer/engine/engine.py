@@ -65,13 +65,16 @@ class LLMEngine:
                config: EngineConfig | None = None, warmup: bool = True,
                skip_tokenizer_init: bool = False):
     dtype = dtype or default_dtype()
+    config = config or EngineConfig()
+    if config.compilation_cache:  # before loading: the loaders' conversions compile too
+      compilation_cache.enable()
     log.info("loading %s ...", model)
     t0 = time.monotonic()
     model_config, params, tokenizer = load_model(model, dtype,
                                                  load_tokenizer=not skip_tokenizer_init)
     self.load_seconds = time.monotonic() - t0
     log.info("loaded %s in %.1f s", model, self.load_seconds)
-    self._build(model_config, params, tokenizer, config or EngineConfig(), dtype, warmup)
+    self._build(model_config, params, tokenizer, config, dtype, warmup)
 
   @classmethod
   def from_parts(cls, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None, *,
