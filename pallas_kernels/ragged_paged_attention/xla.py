@@ -172,7 +172,11 @@ def ragged_paged_attention_xla(
   srow = starts[:, None] + jnp.arange(w)[None, :]  # [S, W]
   srow_live = is_short[:, None] & (jnp.arange(w)[None, :] < q_lens[:, None])
   srow_c = jnp.minimum(srow, t - 1)
-  qs, spos = qf[srow_c], pos[srow_c]  # [S, W, Hkv, Gq, D], [S, W]
+  # A sequence's w rows see the same pages: they join its query group, [S, Hkv, W*Gq, D], so a
+  # block is one batched matmul per sequence and KV head (for decodes, w = 1, exactly the old
+  # decode pass).
+  qs = qf[srow_c].transpose(0, 2, 1, 3, 4).reshape(s_max, hkv, w * gq, d)
+  spos = pos[srow_c]  # [S, W]
 
   def short_block(c):
     blk, st = c
@@ -181,21 +185,25 @@ def ragged_paged_attention_xla(
     kpos = (blk * bk + jnp.arange(bk)).reshape(ppb, page_size)
     valid = (kpos[None] < short_ctx[:, None, None]) & (pages >= 0)[:, :, None]  # [S, Pb, ps]
     v = jnp.where(valid[:, :, None, :, None], v, 0.0)
-    mask = valid[:, None] & window(kpos[None, None], spos[:, :, None, None])  # [S, W, Pb, ps]
-    sc = scores(qs, k, "swhxd,sphkd->swhxpk")
-    pv = lambda p: jnp.einsum("swhxpk,sphkd->swhxd", p.reshape(sc.shape), v)
-    return blk + 1, _update(st, sc.reshape(s_max, w, hkv, gq, bk),
-                            jnp.broadcast_to(mask, (s_max, w, ppb, page_size))
-                            .reshape(s_max, w, 1, 1, bk), pv)
+    mask = valid[:, None] & window(kpos[None, None], spos[:, :, None, None])  # [S, W|1, Pb, ps]
+    if mask.shape[1] == 1:  # the same keys for all of a sequence's rows
+      mask = mask.reshape(s_max, 1, 1, bk)
+    else:  # per-row windows: each row's mask repeated over its query group
+      mask = jnp.repeat(mask.reshape(s_max, w, 1, bk), gq, axis=2).reshape(s_max, 1, -1, bk)
+    sc = scores(qs, k, "shxd,sphkd->shxpk")  # [S, Hkv, W*Gq, Pb, ps]
+    pv = lambda p: jnp.einsum("shxpk,sphkd->shxd", p.reshape(sc.shape), v)
+    return blk + 1, _update(st, sc.reshape(s_max, hkv, w * gq, bk), mask, pv)
 
   n_blk = (jnp.max(short_ctx, initial=0) + bk - 1) // bk
   _, short = jax.lax.while_loop(lambda c: c[0] < n_blk, short_block,
-                                (jnp.int32(0), empty(s_max, w, hkv, gq)))
+                                (jnp.int32(0), empty(s_max, hkv, w * gq)))
   # Scatter to rows [Hkv, Gq, T']; rows of other sequences keep an empty state.
   tgt = jnp.where(srow_live, srow, t + pad).reshape(-1)  # [S*W]
-  ctx_state = tuple(base.at[:, :, tgt].set(jnp.moveaxis(x.reshape((s_max * w,) + x.shape[2:]),
-                                                        0, 2), mode="drop")
-                    for base, x in zip(empty(hkv, gq, t + pad), short))
+  ctx_state = tuple(
+      base.at[:, :, tgt].set(jnp.moveaxis(x.reshape((s_max, hkv, w, gq) + x.shape[3:]), 2, 1)
+                             .reshape((s_max * w, hkv, gq) + x.shape[3:])
+                             .transpose((1, 2, 0) + tuple(range(3, x.ndim))), mode="drop")
+      for base, x in zip(empty(hkv, gq, t + pad), short))
 
   # -- 3. context of prefill chunks: per sequence with more than w queries and a cached context,
   # row tiles of it against blocks of its pages.
