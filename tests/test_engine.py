@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 
 from jinfer.sampling_params import SamplingParams
-from tests.engine_fixtures import CompileCounter, make_engine, tiny_loaded
+from tests.engine_fixtures import CompileCounter, make_engine
 from tests.paged_batch import PagedBatch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory, smollm2_gguf):
-  return tiny_loaded(str(tmp_path_factory.mktemp("tiny")), smollm2_gguf)
+def loaded(tiny_model):
+  return tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -268,3 +268,20 @@ def test_a_failed_step_fails_its_requests_and_the_engine_recovers(loaded):
   eng.blocks.check_consistency()
   assert eng.blocks.num_free_pages == eng.blocks.num_usable_pages
   assert _run(eng, prompts, GREEDY) == want  # recomputed from scratch, same tokens
+
+
+def test_a_row_that_cannot_be_built_fails_alone(engine):
+  """A value that slipped past validation and cannot go into its int32 row fails its own request
+  before the step; the sequences scheduled with it run as if it had never come."""
+  prompts = _prompts(3, seed=16)
+  want = _run(engine, prompts, GREEDY)
+  bad = SamplingParams(temperature=0.7, top_k=5, max_tokens=8)
+  object.__setattr__(bad, "top_k", 2**31)  # what SamplingParams now refuses when made
+  rids = [engine.add_request(None, p, GREEDY) for p in prompts]
+  bad_id = engine.add_request(None, prompts[0], bad)
+  final = engine.run_to_completion()
+  assert [final[r].outputs[0].token_ids for r in rids] == want
+  assert "OverflowError" in final[bad_id].error
+  assert final[bad_id].outputs[0].finish_reason == "error"
+  engine.blocks.check_consistency()
+  assert engine.blocks.num_free_pages == engine.blocks.num_usable_pages
