@@ -240,12 +240,13 @@ class Tokenizer:
     return self._chat_template
 
   @functools.cached_property
-  def max_token_bytes(self) -> int:
-    """The most UTF-8 bytes of text one token can stand for, from the longest spelling in the
-    vocabulary (a byte-level spelling is at least as long as the bytes it stands for, and
-    SentencePiece's "▁" longer than the space it replaces): a text of more than
-    `n * max_token_bytes` bytes encodes to more than n tokens, as long as the tokenizer's
-    normalizer does not shrink text (none of the byte-level and SentencePiece ones do)."""
+  def max_token_bytes(self) -> int | None:
+    """The most UTF-8 bytes of text one token can stand for, so that a text of more than
+    `n * max_token_bytes` bytes encodes to more than n tokens: the longest spelling in the
+    vocabulary (a byte-level spelling is at least as long as the bytes it stands for). None
+    when a normalizer rewrites the text first (NFKC, say, can shrink it)."""
+    if self._backend.normalizer is not None:
+      return None
     return max(len(t.encode("utf-8")) for t in self._backend.get_vocab(with_added_tokens=True))
 
   @functools.cached_property

@@ -191,13 +191,31 @@ def test_duplicate_request_id_rejected(engine):
   engine.run_to_completion()
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5),
-                                    dict(top_k=-3), dict(min_p=2), dict(max_tokens=0),
-                                    dict(n=0), dict(logprobs=21), dict(min_tokens=5, max_tokens=2),
-                                    dict(presence_penalty=3), dict(repetition_penalty=0)])
-def test_invalid_sampling_params(kwargs):
-  with pytest.raises(ValueError):
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-3), "top_k"), (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n"), (dict(logprobs=21), "logprobs"), (dict(min_tokens=5, max_tokens=2),
+                                                        "min_tokens"),
+    (dict(presence_penalty=3), "presence_penalty"), (dict(repetition_penalty=0), "repetition"),
+    # What fits Python but not the int32/float32 array it goes into.
+    (dict(top_k=2**31), r"top_k must be an integer in \[-1, 2147483647\], got 2147483648"),
+    (dict(max_tokens=2**31), "max_tokens"), (dict(stop_token_ids=[2**31]), "stop_token_ids"),
+    (dict(temperature=1e39), r"temperature .* \(inf as a float32\)"),
+    (dict(temperature=float("nan")), "temperature"), (dict(top_p=1e-50), "0.0 as a float32"),
+    (dict(repetition_penalty=1e-50), "repetition_penalty"), (dict(seed=2**63), "seed"),
+    # Wrong types, and too much for the host to match after every token.
+    (dict(n=True), "n"), (dict(temperature="1"), "temperature"), (dict(stop=5), "stop"),
+    (dict(stop=[""]), "stop"), (dict(stop=["x"] * 65), "at most 64"),
+    (dict(ignore_eos="yes"), "ignore_eos"), (dict(stop_token_ids=[1.0]), "stop_token_ids")])
+def test_invalid_sampling_params(kwargs, says):
+  with pytest.raises(ValueError, match=says):
     SamplingParams(**kwargs)
+
+
+def test_sampling_params_at_their_limits():
+  p = SamplingParams(top_k=2**31 - 1, temperature=3.4e38, seed=-2**63, stop="x")
+  assert (p.top_k, p.temperature, p.seed, p.stop) == (2**31 - 1, 3.4e38, -2**63, ("x",))
+  assert SamplingParams(top_k=0).top_k == -1 and type(SamplingParams(n=np.int64(2)).n) is int
 
 
 def test_prompt_logprobs_match_the_model(loaded):

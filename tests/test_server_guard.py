@@ -29,8 +29,8 @@ def server(tiny_model):
   # One step shape (8 tokens): a single compile.
   engine = make_engine(tiny_model, max_model_len=64, page_size=8, max_num_seqs=4,
                        max_num_batched_tokens=8)
-  with live_server(engine, MODEL, max_waiting=4, max_request_bytes=1 << 20, header_timeout=1.0,
-                   body_timeout=1.0, allowed_hosts=("api.example",),
+  with live_server(engine, MODEL, max_waiting=4, max_request_bytes=1 << 20, header_timeout=2.0,
+                   body_timeout=1.0, max_connections=250, allowed_hosts=("api.example",),
                    allowed_origins=(APP,)) as srv:
     yield srv
 
@@ -154,14 +154,22 @@ def test_a_body_that_does_not_arrive_gets_408(server):
 
 
 def test_half_sent_headers_cannot_hold_connections(server):
-  socks = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(200)]
+  """Connections stalled inside their headers are closed after the header timeout (2 s); until
+  then other clients are served, up to max_connections (250), past which they get 503."""
+  head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le"
+  socks = []
   try:
-    for s in socks:
-      s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le")
+    for _ in range(200):
+      socks.append(socket.create_connection(("127.0.0.1", server.port), timeout=30))
+      socks[-1].sendall(head)
     t0 = time.monotonic()
     assert http(f"{server.url}/health", timeout=10)[0] == 200
-    assert time.monotonic() - t0 < 1.0
-    for s in socks:  # each is closed by the server (1 s header timeout), with no reply
+    assert time.monotonic() - t0 < 0.5
+    for _ in range(60):
+      socks.append(socket.create_connection(("127.0.0.1", server.port), timeout=30))
+      socks[-1].sendall(head)
+    assert http(f"{server.url}/health", timeout=10)[0] == 503
+    for s in socks:  # each is closed by the server, with no reply
       assert s.recv(1024) == b""
     assert time.monotonic() - t0 < 15
   finally:
@@ -171,6 +179,7 @@ def test_half_sent_headers_cannot_hold_connections(server):
   while len(server.uvicorn.server_state.connections) > 0:
     assert time.monotonic() < deadline, "the server still holds the connections"
     time.sleep(0.05)
+  assert http(f"{server.url}/health", timeout=10)[0] == 200
 
 
 # -- 3: chat_template_kwargs ----------------------------------------------------------------------

@@ -195,9 +195,9 @@ class AsyncLLMEngine:
     is refused from its size alone, without tokenizing it."""
     if not isinstance(prompt, str):
       return self.engine.tokenize(prompt)
-    limit = self.max_model_len * self.tokenizer.max_token_bytes
+    per_token = self.tokenizer.max_token_bytes
     size = len(prompt.encode("utf-8"))
-    if size > limit:
+    if per_token is not None and size > self.max_model_len * per_token:
       raise ValueError(f"the prompt has {size} bytes, more than max_model_len "
                        f"({self.max_model_len}) tokens can hold")
     return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
@@ -211,7 +211,7 @@ class AsyncLLMEngine:
   async def prepare(self, fn: Callable[..., T], *args) -> T:
     """`fn(*args)` on a worker thread: tokenizing a long prompt or rendering a chat template
     takes milliseconds to seconds, which the event loop must not wait out. Raises
-    EngineDeadError once shutting down."""
+    EngineDeadError after `shutdown`."""
     try:
       work = asyncio.get_running_loop().run_in_executor(self._workers, functools.partial(fn, *args))
     except RuntimeError:  # the workers were shut down

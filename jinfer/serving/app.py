@@ -98,6 +98,11 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str,
   async def _api_error(_: Request, e: APIError):
     return e.response()
 
+  @app.exception_handler(EngineDeadError)
+  async def _shutting_down(_: Request, e: EngineDeadError):  # from any stage of a request
+    return error_response(503, ErrorInfo(message=str(e), type="server_error",
+                                         code="shutting_down"))
+
   @app.exception_handler(StarletteHTTPException)
   async def _http_error(_: Request, e: StarletteHTTPException):
     return error_response(e.status_code, ErrorInfo(message=str(e.detail),
@@ -141,8 +146,6 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str,
     except QueueFullError as e:
       raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
                      headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-    except EngineDeadError as e:
-      raise APIError(503, str(e), type="server_error", code="shutting_down") from None
 
   async def respond(request: Request, work: Awaitable[BaseModel]) -> Response:
     try:
