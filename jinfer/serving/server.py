@@ -68,8 +68,9 @@ def build_server(engine: LLMEngine, *, model_name: str, options: ServerOptions =
   async_engine = AsyncLLMEngine(engine, max_waiting=options.max_waiting)
   app = build_app(async_engine, model_name=model_name, options=options)
   protocol = type("HTTPProtocol", (_HeaderTimeoutH11,), {"header_timeout": options.header_timeout})
+  # No WebSocket routes, so no upgrades: every connection stays with the protocol above.
   config = uvicorn.Config(app, host=options.host, port=options.port, log_level=log_level,
-                          http=protocol, limit_concurrency=options.max_connections,
+                          http=protocol, ws="none", limit_concurrency=options.max_connections,
                           timeout_graceful_shutdown=options.shutdown_timeout)
   return _DrainingServer(config, async_engine, options.shutdown_timeout)
 
