@@ -438,8 +438,8 @@ def mate_alone(client) -> str:
 @given(request=_request())
 def test_any_request_json_is_answered_and_its_batch_mates_are_untouched(server, client,
                                                                         mate_alone, request):
-  """Every field valid, or one at an edge, or any JSON: a 4xx naming what is wrong, or an
-  answer; never a 5xx, and a request running beside it gets its usual output."""
+  """Every field valid, or one at an edge, or any JSON: an answer or an OpenAI-shaped 4xx,
+  never a 5xx or an error event, and a request running beside it gets its usual output."""
   path, body = request
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     # Either may find the queue full while the other waits: the mate retries, as it is told to.

@@ -97,7 +97,8 @@ def test_simple_cross_origin_posts_are_refused(server):
 
 @pytest.mark.parametrize("host, allowed", [
     ("evil.example", False), ("evil.example:80", False), ("127.0.0.1.evil.example", False),
-    ("", False), ("127.0.0.1", True), ("localhost:8000", True), ("[::1]:8000", True),
+    ("", False), ("evil.example@127.0.0.1", False), ("127.0.0.1/evil", False),
+    ("127.0.0.1", True), ("localhost:8000", True), ("[::1]:8000", True),
     ("api.example", True), ("API.example.", True)])
 def test_without_a_key_only_the_servers_own_names_are_answered(server, host, allowed):
   """A page whose DNS name was rebound to 127.0.0.1 sends its own name as Host."""

@@ -46,13 +46,15 @@ class HostCheck:
   def __call__(self, host: str | None) -> bool:
     if self.any:
       return True
-    if not host:
+    if not host or "@" in host:
       return False
     try:
-      name = urllib.parse.urlsplit("//" + host).hostname
+      parts = urllib.parse.urlsplit("//" + host)
     except ValueError:
       return False
-    name = (name or "").rstrip(".")
+    if parts.netloc != host:  # a path, query or fragment
+      return False
+    name = (parts.hostname or "").rstrip(".")
     return name in self.names or (self.any_ip and _ip(name) is not None)
 
 
