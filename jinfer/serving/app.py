@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import secrets
 import time
 import uuid
@@ -37,7 +36,6 @@ from jinfer.serving.options import ServerOptions
 from jinfer.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo,
                                      ModelCard, ModelList, SamplingRequest)
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 _Body = TypeVar("_Body", bound=SamplingRequest)
 RETRY_AFTER_S = 1  # what a 429 asks a client to wait: the queue moves every engine step
@@ -110,7 +108,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str,
 
   @app.exception_handler(Exception)
   async def _internal_error(_: Request, e: Exception):
-    log.error("unhandled error", exc_info=e)  # the details stay in the log
+    # The details stay in the server's log (Starlette re-raises for it), not in the answer.
     return error_response(500, ErrorInfo(message="internal server error", type="server_error"))
 
   async def check_key(request: Request):
