@@ -142,4 +142,4 @@ class _AddAbortStep(RuleBasedStateMachine):
 
 def test_any_interleaving_of_add_abort_step_leaks_no_pages(engine):
   _AddAbortStep.engine = engine
-  run_state_machine_as_test(_AddAbortStep, settings=fuzz_settings(15, stateful_step_count=25))
+  run_state_machine_as_test(_AddAbortStep, settings=fuzz_settings(10, stateful_step_count=20))

@@ -435,12 +435,12 @@ def mate_alone(client) -> str:
 
 @pytest.mark.fuzz
 @fuzz_settings(20)
-@given(request=_request())
+@given(case=_request())
 def test_any_request_json_is_answered_and_its_batch_mates_are_untouched(server, client,
-                                                                        mate_alone, request):
+                                                                        mate_alone, case):
   """Every field valid, or one at an edge, or any JSON: an answer or an OpenAI-shaped 4xx,
   never a 5xx or an error event, and a request running beside it gets its usual output."""
-  path, body = request
+  path, body = case
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     # Either may find the queue full while the other waits: the mate retries, as it is told to.
     mate = pool.submit(client.with_options(max_retries=5).completions.create, **MATE)
