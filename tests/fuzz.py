@@ -29,10 +29,6 @@ FLOAT_EDGES = (0.0, -0.0, 1e-50, 1.2e-38, 1e-7, 0.5, 1.0, 2.0, 2.0000001, 3.4e38
                float("inf"), float("-inf"), float("nan"))
 
 
-def ints(lo: int = -3, hi: int = 40) -> st.SearchStrategy:
-  return st.one_of(st.integers(lo, hi), st.sampled_from(INT_EDGES))
-
-
 def junk() -> st.SearchStrategy:
   """Values of the wrong type for any field."""
   return st.one_of(st.none(), st.booleans(), st.text(max_size=4),

@@ -75,7 +75,7 @@ class RequestGuard:
     try:
       self._check_headers(scope, Headers(scope=scope))
       if scope["method"] == "POST":
-        body = await self._read_body(scope, receive)
+        body = await self._read_body(receive)
         if body is None:  # the client left
           return
         receive = _replay(body, receive)
@@ -110,7 +110,7 @@ class RequestGuard:
     return APIError(413, f"the request body is larger than {self.options.max_request_bytes} "
                     f"bytes (see max_request_bytes)", code="request_too_large")
 
-  async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+  async def _read_body(self, receive: Receive) -> bytes | None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + self.options.body_timeout
     chunks, size = [], 0
