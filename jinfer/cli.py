@@ -5,6 +5,7 @@ import argparse
 import logging
 import sys
 
+from jinfer.serving.options import ServerOptions
 from jinfer.weights.loader import DEFAULT_MODEL
 
 
@@ -100,9 +101,13 @@ def cmd_serve(args):
   from jinfer.serving.server import serve
   config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens)
-  serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
-        served_model_name=args.served_model_name, config=config, max_waiting=args.max_waiting,
-        shutdown_timeout=args.shutdown_timeout)
+  options = ServerOptions(
+      host=args.host, port=args.port, api_key=args.api_key,
+      allowed_hosts=tuple(args.allowed_hosts), allowed_origins=tuple(args.allowed_origins),
+      max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
+      body_timeout=args.body_timeout, max_connections=args.max_connections,
+      max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout)
+  serve(args.model, options=options, served_model_name=args.served_model_name, config=config)
 
 
 def cmd_bench_serve(args):
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None):
   p.set_defaults(fn=cmd_bench)
 
   p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)")
+  serving = ServerOptions()  # the defaults
   p.add_argument("--model", default=DEFAULT_MODEL,
                  help="built-in name, HF model directory or .gguf file")
   p.add_argument("--host", default="127.0.0.1")
@@ -179,10 +185,24 @@ def main(argv: list[str] | None = None):
   p.add_argument("--max-model-len", type=int, default=2048)
   p.add_argument("--max-num-seqs", type=int, default=64)
   p.add_argument("--max-num-batched-tokens", type=int, default=512)
-  p.add_argument("--max-waiting", type=int, default=256,
+  p.add_argument("--max-waiting", type=int, default=serving.max_waiting,
                  help="sequences waiting to be scheduled beyond which requests get 429")
-  p.add_argument("--shutdown-timeout", type=float, default=30.0,
+  p.add_argument("--shutdown-timeout", type=float, default=serving.shutdown_timeout,
                  help="seconds in-flight requests may run on after SIGTERM before being aborted")
+  p.add_argument("--allowed-hosts", nargs="*", default=[], metavar="HOST",
+                 help="without --api-key, Host names accepted besides the bound address "
+                      "(* for any)")
+  p.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
+                 help="origins browsers may call the server from, e.g. http://localhost:3000 "
+                      "(CORS; * for any; default none)")
+  p.add_argument("--max-request-bytes", type=int, default=serving.max_request_bytes,
+                 help="larger request bodies get 413")
+  p.add_argument("--header-timeout", type=float, default=serving.header_timeout,
+                 help="seconds a connection may take to send a request's headers")
+  p.add_argument("--body-timeout", type=float, default=serving.body_timeout,
+                 help="seconds a request may take to send its body (then 408)")
+  p.add_argument("--max-connections", type=int, default=serving.max_connections,
+                 help="requests beyond this many open connections get 503")
   p.set_defaults(fn=cmd_serve)
 
   p = sub.add_parser("bench-serve", help="load a local server with random prompts; JSON figures")

@@ -1,9 +1,62 @@
-"""Per-request sampling options, validated when made so bad values never reach the queue."""
+"""Per-request sampling options, validated when made so bad values never reach the queue.
+
+Every field is checked against what the step can hold: the sampler's per-row arrays are int32,
+uint32 and float32, so a value that fits Python but not its array (a `top_k` of 2**31, a
+temperature that rounds to inf) is refused here rather than failing the step it would join.
+"""
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+
+import numpy as np
 
 MAX_LOGPROBS = 20  # top-N logprobs are computed on device with this static N
+# Stop strings and ids are matched on the host after every token of every sequence: their
+# number is bounded so that one request cannot slow down the steps it shares.
+MAX_STOP = 64
+_INT32_MAX = 2**31 - 1
+_INT64 = (-2**63, 2**63 - 1)
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _show(v) -> str:
+  """`v` for an error message, cut short: the value may be a client's megabyte."""
+  r = repr(v)
+  return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _int(name: str, v, lo: int, hi: int = _INT32_MAX) -> int:
+  if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not lo <= v <= hi:
+    raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {_show(v)}")
+  return int(v)
+
+
+def _float32(name: str, v, lo: float, hi: float = _FLOAT32_MAX, *,
+             above_lo: bool = False) -> float:
+  """`v` as a float, checked as the float32 the device will see (so 1e300 is inf and 1e-50 is
+  0): within [lo, hi], or (lo, hi] with `above_lo`."""
+  if isinstance(v, bool) or not isinstance(v, numbers.Real):
+    raise ValueError(f"{name} must be a number, got {_show(v)}")
+  try:
+    value = float(v)
+  except OverflowError:  # an integer beyond any float
+    value = math.inf
+  with np.errstate(over="ignore", under="ignore"):
+    x = float(np.float32(value))
+  if not (math.isfinite(x) and (lo < x if above_lo else lo <= x) and x <= hi):
+    bound = f"> {lo}" if above_lo else f">= {lo}"
+    bound = f"a finite float32 {bound}" if hi == _FLOAT32_MAX else f"{bound} and <= {hi}"
+    rounded = f" ({x} as a float32)" if x != value and not math.isnan(value) else ""
+    raise ValueError(f"{name} must be {bound}, got {_show(v)}{rounded}")
+  return value
+
+
+def _bool(name: str, v) -> bool:
+  if not isinstance(v, (bool, np.bool_)):
+    raise ValueError(f"{name} must be true or false, got {_show(v)}")
+  return bool(v)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,41 +81,57 @@ class SamplingParams:
   skip_special_tokens: bool = True
 
   def __post_init__(self):
-    if isinstance(self.stop, str):
-      object.__setattr__(self, "stop", (self.stop,))
-    object.__setattr__(self, "stop", tuple(self.stop or ()))
-    object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-    if self.top_k == 0:
-      object.__setattr__(self, "top_k", -1)
+    fields = dict(
+        n=_int("n", self.n, 1),
+        temperature=_float32("temperature", self.temperature, 0.0),
+        top_p=_float32("top_p", self.top_p, 0.0, 1.0, above_lo=True),
+        top_k=max(_int("top_k", self.top_k, -1), 0) or -1,  # -1 and 0 disable
+        min_p=_float32("min_p", self.min_p, 0.0, 1.0),
+        repetition_penalty=_float32("repetition_penalty", self.repetition_penalty, 0.0,
+                                    above_lo=True),
+        presence_penalty=_float32("presence_penalty", self.presence_penalty, -2.0, 2.0),
+        frequency_penalty=_float32("frequency_penalty", self.frequency_penalty, -2.0, 2.0),
+        seed=None if self.seed is None else _int("seed", self.seed, *_INT64),
+        max_tokens=None if self.max_tokens is None else _int("max_tokens", self.max_tokens, 1),
+        min_tokens=_int("min_tokens", self.min_tokens, 0),
+        stop=self._stop(),
+        stop_token_ids=self._stop_token_ids(),
+        include_stop_str_in_output=_bool("include_stop_str_in_output",
+                                         self.include_stop_str_in_output),
+        ignore_eos=_bool("ignore_eos", self.ignore_eos),
+        logprobs=None if self.logprobs is None
+        else _int("logprobs", self.logprobs, 0, MAX_LOGPROBS),
+        prompt_logprobs=None if self.prompt_logprobs is None
+        else _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS),
+        skip_special_tokens=_bool("skip_special_tokens", self.skip_special_tokens))
+    if fields["max_tokens"] is not None and fields["min_tokens"] > fields["max_tokens"]:
+      raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+    for name, value in fields.items():
+      object.__setattr__(self, name, value)
 
-    def check(ok: bool, msg: str):
-      if not ok:
-        raise ValueError(msg)
+  def _stop(self) -> tuple[str, ...]:
+    stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+    if stop is None:
+      return ()
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+      raise ValueError(f"stop must be a non-empty string or a list of them, got {_show(self.stop)}")
+    if len(stop) > MAX_STOP:
+      raise ValueError(f"stop takes at most {MAX_STOP} strings, got {len(stop)}")
+    return tuple(stop)
 
-    check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-    check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-    check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-    check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-          f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
-    check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-    check(self.repetition_penalty > 0.0,
-          f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-    check(-2.0 <= self.presence_penalty <= 2.0,
-          f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-    check(-2.0 <= self.frequency_penalty <= 2.0,
-          f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-    check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-          f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-    check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
-          f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-    check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-          f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-    check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-    check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
-    for name in ("logprobs", "prompt_logprobs"):
-      v = getattr(self, name)
-      check(v is None or (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS),
-            f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+  def _stop_token_ids(self) -> tuple[int, ...]:
+    ids = self.stop_token_ids
+    if ids is None:
+      return ()
+    if not isinstance(ids, (list, tuple)):
+      raise ValueError(f"stop_token_ids must be a list of token ids, got {_show(ids)}")
+    if len(ids) > MAX_STOP:
+      raise ValueError(f"stop_token_ids takes at most {MAX_STOP} ids, got {len(ids)}")
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)
+           or not 0 <= t <= _INT32_MAX]
+    if bad:
+      raise ValueError(f"stop_token_ids must be token ids in [0, {_INT32_MAX}], got {_show(bad[0])}")
+    return tuple(map(int, ids))
 
   @property
   def greedy(self) -> bool:

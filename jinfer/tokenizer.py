@@ -10,12 +10,14 @@ SmolLM2's "smollm"), control tokens added as special, user-defined tokens as pla
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
@@ -103,13 +105,13 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
                     sort_keys=sort_keys)
 
 
-def _compile_chat_template(source: str) -> jinja2.Template:
+def _chat_template_env() -> jinja2.Environment:
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
   env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise_exception
   env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-  return env.from_string(source)
+  return env
 
 
 class Tokenizer:
@@ -237,8 +239,29 @@ class Tokenizer:
   def chat_template(self) -> str | None:
     return self._chat_template
 
+  @functools.cached_property
+  def max_token_bytes(self) -> int | None:
+    """The most UTF-8 bytes of text one token can stand for, so that a text of more than
+    `n * max_token_bytes` bytes encodes to more than n tokens: the longest spelling in the
+    vocabulary (a byte-level spelling is at least as long as the bytes it stands for). None
+    when a normalizer rewrites the text first (NFKC, say, can shrink it)."""
+    if self._backend.normalizer is not None:
+      return None
+    return max(len(t.encode("utf-8")) for t in self._backend.get_vocab(with_added_tokens=True))
+
+  @functools.cached_property
+  def chat_template_variables(self) -> frozenset[str]:
+    """The names the chat template reads from its context: what template kwargs can set."""
+    if self._chat_template is None:
+      return frozenset()
+    env = _chat_template_env()
+    names = jinja2.meta.find_undeclared_variables(env.parse(self._chat_template))
+    return frozenset(names - set(env.globals))
+
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-    return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+    # encode_batch releases the GIL; encode holds it throughout, for seconds on a long text,
+    # while no other thread (a server's event loop, say) runs.
+    return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
   def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
     return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -253,7 +276,7 @@ class Tokenizer:
     if self._chat_template is None:
       raise ValueError("this tokenizer has no chat template")
     if self._compiled is None:
-      self._compiled = _compile_chat_template(self._chat_template)
+      self._compiled = _chat_template_env().from_string(self._chat_template)
     # transformers drops None-valued keys (templates handle a missing key, not a literal None)
     # and passes a message's reasoning under every name templates read it by.
     chat = [{k: v for k, v in m.items() if v is not None} for m in messages]

@@ -1,4 +1,5 @@
-"""Session fixtures: the real SmolLM2 GGUF, and HF transformers' tokenizer and model built from it.
+"""Session fixtures: the real SmolLM2 GGUF, HF transformers' tokenizer and model built from it,
+and a tiny random model over its vocabulary.
 
 Built once per session: transformers' GGUF loading takes seconds to tens of seconds on 2 cores.
 """
@@ -17,6 +18,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 def smollm2_gguf() -> str:
   from jinfer.weights.builtin import builtin_gguf_path
   return builtin_gguf_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, smollm2_gguf):
+  """(config, params, tokenizer) of a 2-layer random Llama with SmolLM2's tokenizer."""
+  from tests.engine_fixtures import tiny_loaded
+  return tiny_loaded(str(tmp_path_factory.mktemp("tiny")), smollm2_gguf)
 
 
 @pytest.fixture(scope="session")

@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 
 from jinfer.sampling_params import SamplingParams
-from tests.engine_fixtures import CompileCounter, make_engine, tiny_loaded
+from tests.engine_fixtures import CompileCounter, make_engine
 from tests.paged_batch import PagedBatch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory, smollm2_gguf):
-  return tiny_loaded(str(tmp_path_factory.mktemp("tiny")), smollm2_gguf)
+def loaded(tiny_model):
+  return tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -191,13 +191,31 @@ def test_duplicate_request_id_rejected(engine):
   engine.run_to_completion()
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5),
-                                    dict(top_k=-3), dict(min_p=2), dict(max_tokens=0),
-                                    dict(n=0), dict(logprobs=21), dict(min_tokens=5, max_tokens=2),
-                                    dict(presence_penalty=3), dict(repetition_penalty=0)])
-def test_invalid_sampling_params(kwargs):
-  with pytest.raises(ValueError):
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-3), "top_k"), (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n"), (dict(logprobs=21), "logprobs"), (dict(min_tokens=5, max_tokens=2),
+                                                        "min_tokens"),
+    (dict(presence_penalty=3), "presence_penalty"), (dict(repetition_penalty=0), "repetition"),
+    # What fits Python but not the int32/float32 array it goes into.
+    (dict(top_k=2**31), r"top_k must be an integer in \[-1, 2147483647\], got 2147483648"),
+    (dict(max_tokens=2**31), "max_tokens"), (dict(stop_token_ids=[2**31]), "stop_token_ids"),
+    (dict(temperature=1e39), r"temperature .* \(inf as a float32\)"),
+    (dict(temperature=float("nan")), "temperature"), (dict(top_p=1e-50), "0.0 as a float32"),
+    (dict(repetition_penalty=1e-50), "repetition_penalty"), (dict(seed=2**63), "seed"),
+    # Wrong types, and too much for the host to match after every token.
+    (dict(n=True), "n"), (dict(temperature="1"), "temperature"), (dict(stop=5), "stop"),
+    (dict(stop=[""]), "stop"), (dict(stop=["x"] * 65), "at most 64"),
+    (dict(ignore_eos="yes"), "ignore_eos"), (dict(stop_token_ids=[1.0]), "stop_token_ids")])
+def test_invalid_sampling_params(kwargs, says):
+  with pytest.raises(ValueError, match=says):
     SamplingParams(**kwargs)
+
+
+def test_sampling_params_at_their_limits():
+  p = SamplingParams(top_k=2**31 - 1, temperature=3.4e38, seed=-2**63, stop="x")
+  assert (p.top_k, p.temperature, p.seed, p.stop) == (2**31 - 1, 3.4e38, -2**63, ("x",))
+  assert SamplingParams(top_k=0).top_k == -1 and type(SamplingParams(n=np.int64(2)).n) is int
 
 
 def test_prompt_logprobs_match_the_model(loaded):
@@ -286,3 +304,20 @@ def test_token_ids_without_a_tokenizer(loaded, tmp_path_factory, smollm2_gguf):
     eng.add_request(None, "text needs a tokenizer", GREEDY)
   with pytest.raises(ValueError, match="stop strings"):
     eng.add_request(None, prompt, SamplingParams(stop=["x"]))
+
+
+def test_a_row_that_cannot_be_built_fails_alone(engine):
+  """A value that slipped past validation and cannot go into its int32 row fails its own request
+  before the step; the sequences scheduled with it run as if it had never come."""
+  prompts = _prompts(3, seed=16)
+  want = _run(engine, prompts, GREEDY)
+  bad = SamplingParams(temperature=0.7, top_k=5, max_tokens=8)
+  object.__setattr__(bad, "top_k", 2**31)  # what SamplingParams now refuses when made
+  rids = [engine.add_request(None, p, GREEDY) for p in prompts]
+  bad_id = engine.add_request(None, prompts[0], bad)
+  final = engine.run_to_completion()
+  assert [final[r].outputs[0].token_ids for r in rids] == want
+  assert "OverflowError" in final[bad_id].error
+  assert final[bad_id].outputs[0].finish_reason == "error"
+  engine.blocks.check_consistency()
+  assert engine.blocks.num_free_pages == engine.blocks.num_usable_pages

@@ -1,7 +1,8 @@
 """The OpenAI-compatible server end to end: a real uvicorn server on a loopback port, driven by the
 official `openai` client (and raw HTTP where a client would refuse to send the request).
 
-One server (SmolLM2, warmed up) serves the whole module; the last test shuts it down.
+One server (SmolLM2, warmed up) serves the whole module; the last test shuts it down. What a
+hostile client can do without a model to speak of is in test_server_guard.py.
 """
 from __future__ import annotations
 
@@ -10,17 +11,18 @@ import json
 import socket
 import threading
 import time
-import types
-import urllib.error
 import urllib.request
 
 import openai
 import pytest
+from hypothesis import event, given
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
-from jinfer.serving.server import build_server
+from tests.fuzz import INT_EDGES, edges, fuzz_settings, one_edge, sampling_fields
+from tests.live_server import http, live_server, post_json, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -28,28 +30,16 @@ MODEL = "smollm2-135m-instruct"
 KEY = "test-key"
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+VOCAB = 49152
+MATE = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
 
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf):
   engine = LLMEngine(smollm2_gguf, config=EngineConfig(
       max_model_len=512, max_num_seqs=8, max_num_batched_tokens=32))
-  sock = socket.create_server(("127.0.0.1", 0))
-  port = sock.getsockname()[1]
-  srv = build_server(engine, model_name=MODEL, port=port, api_key=KEY, shutdown_timeout=3.0,
-                     log_level="warning")
-  thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-  thread.start()
-  deadline = time.monotonic() + 60
-  while not srv.started:
-    assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-    time.sleep(0.05)
-  yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}", port=port, engine=engine,
-                              async_engine=srv.config.app.state.engine,
-                              metrics=srv.config.app.state.metrics, uvicorn=srv,
-                              thread=thread)
-  srv.should_exit = True
-  thread.join(timeout=60)
+  with live_server(engine, MODEL, api_key=KEY, shutdown_timeout=3.0) as srv:
+    yield srv
 
 
 @pytest.fixture(scope="module")
@@ -57,25 +47,8 @@ def client(server) -> openai.OpenAI:
   return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def wait_idle(engine: LLMEngine, timeout: float = 20.0):
-  """Until the engine holds no request and every KV page is free again."""
-  deadline = time.monotonic() + timeout
-  while engine.has_unfinished_requests() or \
-      engine.blocks.num_free_pages != engine.blocks.num_usable_pages:
-    assert time.monotonic() < deadline, "requests or pages were not released"
-    time.sleep(0.05)
-
-
 def post(server, path: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]:
-  headers = {"Content-Type": "application/json"}
-  if key is not None:
-    headers["Authorization"] = f"Bearer {key}"
-  req = urllib.request.Request(server.url + path, data=body, headers=headers)
-  try:
-    with urllib.request.urlopen(req, timeout=60) as resp:
-      return resp.status, json.loads(resp.read())
-  except urllib.error.HTTPError as e:
-    return e.code, json.loads(e.read())
+  return post_json(server.url + path, body, key)
 
 
 # -- what works ---------------------------------------------------------------------------------
@@ -187,9 +160,12 @@ def test_logprobs(client):
     (b'{"model": "%s", "prompt": "hi", "top_p": 1.5}' % MODEL.encode(), 400, "top_p"),
     (b'{"model": "%s", "prompt": "hi", "n": 0}' % MODEL.encode(), 400, "n"),
     (b'{"model": "%s", "prompt": "hi", "logprobs": 21}' % MODEL.encode(), 400, "logprobs"),
-    (b'{"model": "%s", "prompt": "hi", "max_tokens": 600}' % MODEL.encode(), 400, "prompt"),
-    (b'{"model": "%s", "prompt": ""}' % MODEL.encode(), 400, None),
-    (b'{"model": "%s", "prompt": [99999999]}' % MODEL.encode(), 400, None),
+    (b'{"model": "%s", "prompt": "hi", "max_tokens": 600}' % MODEL.encode(), 400, "max_tokens"),
+    (b'{"model": "%s", "prompt": ""}' % MODEL.encode(), 400, "prompt"),
+    (b'{"model": "%s", "prompt": [99999999]}' % MODEL.encode(), 400, "prompt"),
+    (b'{"model": "%s", "prompt": "hi", "top_k": 2147483648}' % MODEL.encode(), 400, "top_k"),
+    (b'{"model": "%s", "prompt": "hi", "temperature": 1e39}' % MODEL.encode(), 400,
+     "temperature"),
     (b'{"model": "%s", "prompt": "hi", "echo": true}' % MODEL.encode(), 400, "echo"),
     (b'{"prompt": "hi"}', 400, "model"),
     (b'{"model": "gpt-4", "prompt": "hi"}', 404, "model"),
@@ -228,8 +204,15 @@ def test_api_key(server):
   assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
   code, err = post(server, "/v1/completions", b"{}", key=None)  # no key at all
   assert code == 401 and err["error"]["code"] == "invalid_api_key"
+  body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 1}).encode()
+  for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive
+    code, _ = post_json(server.url + "/v1/completions", body, Authorization=f"{scheme} {KEY}")
+    assert code == 200
   with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:  # no key needed
     assert resp.status == 200
+  for path in ("/docs", "/redoc", "/openapi.json"):  # behind the key, like the API
+    assert http(server.url + path)[0] == 401
+    assert http(server.url + path, headers={"Authorization": f"Bearer {KEY}"})[0] == 200
 
 
 def test_full_queue_gets_429(server, client):
@@ -250,7 +233,7 @@ def test_full_queue_gets_429(server, client):
         time.sleep(0.02)
       with pytest.raises(openai.RateLimitError) as e:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
-      assert e.value.status_code == 429
+      assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
       gate.set()
       assert first.result(timeout=60).choices[0].finish_reason == "length"
   finally:
@@ -318,6 +301,156 @@ def test_disconnects_abort_and_free_pages(server, client):
   assert engine.generation_tokens - before < 400  # neither request ran to its end
   assert server.async_engine.stats().kv_pages_used == 0.0
   assert server.metrics.finished["abort"] == aborts + 2
+
+
+def test_huge_prompts_are_refused_without_stalling_the_server(server, client):
+  """5 MB prompts, sent while a stream runs, are refused from their size before any
+  tokenizing: /health keeps answering at once and the stream's pace holds."""
+  wait_idle(server.engine)
+  huge = "Paris " * ((5 << 20) // 6)  # 5 MiB
+  bodies = [json.dumps({"model": MODEL, "prompt": huge, "max_tokens": 4}).encode(),
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": huge}]}).encode()]
+  token_times: list[float] = []
+
+  def consume():
+    for _ in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=300, stream=True,
+                                       temperature=0, extra_body={"ignore_eos": True}):
+      token_times.append(time.monotonic())
+
+  def refuse_all():
+    for i in range(20):
+      path = "/v1/chat/completions" if i % 2 else "/v1/completions"
+      code, err = post(server, path, bodies[i % 2])
+      assert code == 400 and err["error"]["code"] == "context_length_exceeded", err
+
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    stream = pool.submit(consume)
+    while len(token_times) < 20:  # the stream's own pace first
+      assert not stream.done(), stream.exception()
+      time.sleep(0.02)
+    start = time.monotonic()
+    refusals = pool.submit(refuse_all)
+    health = []
+    while not refusals.done():
+      t0 = time.monotonic()
+      assert http(server.url + "/health", timeout=10)[0] == 200
+      health.append(time.monotonic() - t0)
+      time.sleep(0.02)
+    refusals.result()
+    end = time.monotonic()
+    stream.result(timeout=120)
+  gaps = [(b, b - a) for a, b in zip(token_times, token_times[1:])]
+  before = sorted(g for t, g in gaps[1:] if t < start)  # the first gap holds the prefill
+  during = sorted(g for t, g in gaps if start <= t and t - g <= end)
+  median = lambda xs: xs[len(xs) // 2]
+  print(f"\n20 refusals of 5 MB prompts in {end - start:.2f} s; /health max "
+        f"{max(health) * 1e3:.0f} ms over {len(health)} calls; inter-token gap before: median "
+        f"{median(before) * 1e3:.0f} ms, max {before[-1] * 1e3:.0f} ms; during: median "
+        f"{median(during) * 1e3:.0f} ms, max {during[-1] * 1e3:.0f} ms ({len(during)} gaps)")
+  assert max(health) < 0.5
+  assert median(during) <= 2 * median(before) and during[-1] <= 2 * before[-1]
+
+
+# -- fuzzing the request JSON ---------------------------------------------------------------------
+_ANY_JSON = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=4)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.text(max_size=3), inner, max_size=3)),
+    max_leaves=5)
+
+
+def _messages(content: st.SearchStrategy) -> st.SearchStrategy:
+  roles = st.sampled_from(["system", "developer", "user", "assistant", "tool"])
+  return st.lists(st.fixed_dictionaries({"role": roles, "content": content},
+                                        optional={"name": st.text(max_size=4)}),
+                  min_size=1, max_size=3)
+
+
+_TEXT_PARTS = st.lists(st.fixed_dictionaries({"type": st.just("text"),
+                                              "text": st.text(max_size=8)}), max_size=2)
+_VALID = {
+    "model": st.just(MODEL), "stream": st.booleans(), "user": st.text(max_size=4),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
+    "logit_bias": st.just({})}
+_COMPLETION = {
+    "prompt": st.one_of(st.text(min_size=1, max_size=30),
+                        st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=3),
+                        st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8),
+                        st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4),
+                                 min_size=1, max_size=2)),
+    "echo": st.just(False), "suffix": st.just("")}
+_CHAT = {
+    "messages": _messages(st.one_of(st.text(max_size=20), _TEXT_PARTS)),
+    "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20),
+    "max_completion_tokens": st.integers(1, 12), "tools": st.just([]),
+    "response_format": st.just({"type": "text"}),
+    "chat_template_kwargs": st.dictionaries(st.text(max_size=3), _ANY_JSON, max_size=2)}
+_EDGE = {
+    "model": st.one_of(st.text(max_size=5), edges()),
+    "prompt": st.one_of(_ANY_JSON, st.lists(st.sampled_from(INT_EDGES), min_size=1, max_size=3),
+                        st.lists(st.one_of(st.integers(0, 9), st.floats(), st.booleans()),
+                                 min_size=1, max_size=3)),
+    "messages": st.one_of(_ANY_JSON, _messages(st.one_of(edges(), st.just(
+        [{"type": "image_url", "image_url": {"url": "data:,"}}])))),
+    "chat_template_kwargs": st.dictionaries(
+        st.sampled_from(["messages", "tokenize", "add_generation_prompt"]), _ANY_JSON,
+        min_size=1, max_size=2)}
+
+
+@st.composite
+def _request(draw) -> tuple[str, bytes]:
+  """An endpoint and a body: every field valid, or one at an edge, or any JSON at all."""
+  valid, edge = sampling_fields(st.integers(0, VOCAB - 1))
+  valid |= _VALID
+  if draw(st.booleans()):
+    path, required, valid = "/v1/completions", ("model", "prompt", "max_tokens"), \
+        valid | _COMPLETION
+  else:
+    path, required, valid = "/v1/chat/completions", ("model", "messages", "max_tokens"), \
+        valid | _CHAT
+  edge |= {k: _EDGE.get(k, edges()) for k in valid if k not in edge}
+  body = draw(st.one_of(one_edge(valid, edge, required), one_edge(valid, edge, required),
+                        one_edge(valid, edge, required), _ANY_JSON))
+  return path, json.dumps(body).encode()
+
+
+def _check_answer(status: int, data: bytes, stream: bool):
+  assert status in (200, 400, 404, 429), (status, data[:300])
+  if status != 200:
+    err = json.loads(data)["error"]
+    assert err["message"] and set(err) == {"message", "type", "param", "code"}
+    return
+  if not stream:
+    assert json.loads(data)["choices"]
+    return
+  events = [line[6:] for line in data.decode().split("\n") if line.startswith("data: ")]
+  assert events[-1] == "[DONE]"
+  assert all("error" not in json.loads(e) for e in events[:-1]), events
+
+
+@pytest.fixture(scope="module")
+def mate_alone(client) -> str:
+  return client.completions.create(**MATE).choices[0].text
+
+
+@pytest.mark.fuzz
+@fuzz_settings(20)
+@given(case=_request())
+def test_any_request_json_is_answered_and_its_batch_mates_are_untouched(server, client,
+                                                                        mate_alone, case):
+  """Every field valid, or one at an edge, or any JSON: an answer or an OpenAI-shaped 4xx,
+  never a 5xx or an error event, and a request running beside it gets its usual output."""
+  path, body = case
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    # Either may find the queue full while the other waits: the mate retries, as it is told to.
+    mate = pool.submit(client.with_options(max_retries=5).completions.create, **MATE)
+    status, _, data = http(server.url + path, body, headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    event(f"status {status}")
+    stream = status == 200 and json.loads(body).get("stream") is True
+    _check_answer(status, data, stream)
+    assert mate.result(timeout=60).choices[0].text == mate_alone
+  wait_idle(server.engine)
 
 
 def test_metrics(server, client):

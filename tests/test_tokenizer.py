@@ -7,7 +7,7 @@ import gguf
 import pytest
 import transformers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, processors
+from tokenizers import decoders, models, normalizers, processors
 
 from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 from jinfer.weights.gguf_file import gguf_value, open_gguf
@@ -111,6 +111,29 @@ def test_incremental_detokenizer_keeps_sentencepiece_spaces(tmp_path):
   deltas = [detok.add(i) for i in ids]
   assert deltas == ["Hello", " world", " ", "", "", "日", " world"]
   assert detok.flush() == ""
+
+
+def test_max_token_bytes_bounds_the_token_count(ours):
+  """What lets a server refuse a prompt from its byte size, without tokenizing it."""
+  assert ours.max_token_bytes == 162  # "\n" and 80 spaces, in the byte alphabet
+  for text in TEXTS + ["\n" + " " * 500, "=" * 1000, "<|im_end|>" * 50, "\u00e9" * 300]:
+    n = len(ours.encode(text, add_special_tokens=False))
+    assert n * ours.max_token_bytes >= len(text.encode("utf-8"))
+
+
+def test_chat_template_variables_and_normalizers(tmp_path):
+  backend = HFTokenizer(models.BPE(vocab={"<unk>": 0, "a": 1}, merges=[], unk_token="<unk>"))
+  backend.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+      "bos_token": "<unk>", "chat_template": "{{ bos_token }}{% for m in messages %}"
+      "{{ m.content }}{% endfor %}{% if tone %}{{ raise_exception(tone) }}{% endif %}"}))
+  tok = Tokenizer.from_dir(str(tmp_path))
+  # What template kwargs can set: not the helpers it calls.
+  assert tok.chat_template_variables == {"bos_token", "messages", "tone"}
+  assert tok.max_token_bytes == len("<unk>")
+  backend.normalizer = normalizers.NFKC()  # "ｈｉ" (6 bytes) becomes "hi" (2)
+  backend.save(str(tmp_path / "tokenizer.json"))
+  assert Tokenizer.from_dir(str(tmp_path)).max_token_bytes is None
 
 
 @pytest.fixture(scope="module")

@@ -6,23 +6,31 @@ sleeps on an event when idle, and hands each output to its request's asyncio que
 `loop.call_soon_threadsafe`. Nothing else touches the LLMEngine's mutable state; validation
 (which only reads the model's limits) runs on the caller's side so a bad request raises at the
 call, before anything is queued.
+
+Callers such as the HTTP server use only this class: `tokenizer`, `max_model_len`, `tokenize`,
+`validate`, and `prepare`, which runs a request's tokenizing, chat-template rendering and
+validation on worker threads, so that no request stalls the event loop that streams the others.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 from jinfer.engine.engine import EngineStats, LLMEngine
 from jinfer.engine.request import RequestOutput
 from jinfer.sampling_params import SamplingParams
+from jinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class QueueFullError(RuntimeError):
@@ -141,6 +149,7 @@ class AsyncLLMEngine:
     self._stop: str | None = None  # None, "drain" or "abort"
     self._accepting = False
     self.error: BaseException | None = None  # what killed the loop, if anything
+    self._workers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jinfer-prepare")
 
   # -- lifecycle ----------------------------------------------------------------------------
   def start(self):
@@ -158,6 +167,7 @@ class AsyncLLMEngine:
     """Stop taking requests; with `drain`, let those in flight finish (up to `timeout` seconds,
     then abort the rest), else abort them at once. Returns when the loop has exited."""
     self._accepting = False
+    self._workers.shutdown(wait=False)
     if self._thread is None:
       return
     self._signal_stop("drain" if drain else "abort")
@@ -171,6 +181,43 @@ class AsyncLLMEngine:
       self._stop = how
     self._wake.set()
 
+  # -- preparing requests -------------------------------------------------------------------
+  @property
+  def tokenizer(self) -> Tokenizer:
+    return self.engine.tokenizer
+
+  @property
+  def max_model_len(self) -> int:
+    return self.engine.max_model_len
+
+  def tokenize(self, prompt: str | list[int], *, add_special_tokens: bool = True) -> list[int]:
+    """A prompt's token ids. A text that could not fit `max_model_len` whatever it encodes to
+    is refused from its size alone, without tokenizing it."""
+    if not isinstance(prompt, str):
+      return self.engine.tokenize(prompt)
+    per_token = self.tokenizer.max_token_bytes
+    size = len(prompt.encode("utf-8"))
+    if per_token is not None and size > self.max_model_len * per_token:
+      raise ValueError(f"the prompt has {size} bytes, more than max_model_len "
+                       f"({self.max_model_len}) tokens can hold")
+    return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+  def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    """Raise ValueError for a request that can never run here."""
+    self.engine.validate(prompt_token_ids, params)
+    if params.n > self.max_waiting:
+      raise ValueError(f"n ({params.n}) exceeds this server's queue bound ({self.max_waiting})")
+
+  async def prepare(self, fn: Callable[..., T], *args) -> T:
+    """`fn(*args)` on a worker thread: tokenizing a long prompt or rendering a chat template
+    takes milliseconds to seconds, which the event loop must not wait out. Raises
+    EngineDeadError after `shutdown`."""
+    try:
+      work = asyncio.get_running_loop().run_in_executor(self._workers, functools.partial(fn, *args))
+    except RuntimeError:  # the workers were shut down
+      raise EngineDeadError("the engine is not running") from None
+    return await work
+
   # -- requests -----------------------------------------------------------------------------
   def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                request_id: str | None = None, *, cache_salt: str | None = None,
@@ -182,10 +229,8 @@ class AsyncLLMEngine:
     """
     params = params or SamplingParams()
     arrival_time = time.monotonic() if arrival_time is None else arrival_time
-    ids = self.engine.tokenize(prompt)
-    self.engine.validate(ids, params)
-    if params.n > self.max_waiting:
-      raise ValueError(f"n={params.n} exceeds this server's queue bound ({self.max_waiting})")
+    ids = self.tokenize(prompt)
+    self.validate(ids, params)
     loop = asyncio.get_running_loop()
     sink = _Sink(loop, asyncio.Queue(), params.n)
     with self._lock:

@@ -15,8 +15,8 @@ from jinfer.engine.block_manager import BlockManager
 from jinfer.engine.engine_config import EngineConfig, default_dtype
 from jinfer.engine.request import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from jinfer.engine.runner import ModelRunner
-from jinfer.engine.scheduler import Scheduler
-from jinfer.engine.step_input import MAX_BANNED, build_step_input
+from jinfer.engine.scheduler import ScheduledBatch, Scheduler
+from jinfer.engine.step_input import MAX_BANNED, RowError, StepInput, build_step_input
 from jinfer.models import linear_kernels
 from jinfer.quant.qarray import quantize_params
 from jinfer.sample import SampleOutput
@@ -192,15 +192,17 @@ class LLMEngine:
     batch = self.scheduler.schedule()
     if not batch.seqs:
       return []
+    touched: dict[str, _Group] = {}
     resets = self.runner.cache_resets
     try:
-      inp = build_step_input(batch, self.buckets, self.config.page_size, self.eos_ids)
+      inp = self._build_step_input(batch, touched)
+      if inp is None:
+        return self._emit(touched.values())
       res = self.runner.run(inp)
     except Exception as e:
-      return self._fail_batch(batch, e, cache_lost=self.runner.cache_resets != resets)
+      return self._fail_batch(batch, e, self.runner.cache_resets != resets, touched)
     now = time.monotonic()
     self.num_steps += 1
-    touched: dict[str, _Group] = {}
     row = 0
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
       row += n
@@ -233,22 +235,40 @@ class LLMEngine:
         self.groups.pop(o.request_id, None)
     return outputs
 
-  def _fail_batch(self, batch, error: Exception, cache_lost: bool) -> list[RequestOutput]:
+  def _build_step_input(self, batch: ScheduledBatch,
+                        failed: dict[str, _Group]) -> StepInput | None:
+    """The step's input. A sequence whose row cannot be built fails alone and leaves the batch,
+    as a failed device step fails only the requests it ran; None when no sequence is left."""
+    while batch.seqs:
+      try:
+        return build_step_input(batch, self.buckets, self.config.page_size, self.eos_ids)
+      except RowError as e:
+        log.error("dropped a sequence from the step", exc_info=e)
+        seq = batch.seqs.pop(e.index)
+        del batch.num_new_tokens[e.index]
+        self._fail(seq, f"its step input could not be built: {e.error!r}", failed)
+    return None
+
+  def _fail_batch(self, batch: ScheduledBatch, error: Exception, cache_lost: bool,
+                  failed: dict[str, _Group]) -> list[RequestOutput]:
     """A step that raised fails the requests it ran; the others go on. If the KV cache went with
     it, every cached token is gone: the prefix cache forgets them and the running sequences are
     recomputed."""
     log.error("engine step failed (%d sequences)", len(batch.seqs), exc_info=error)
-    groups = {}
     for seq in batch.seqs:
-      if seq.finished or seq.group_id not in self.groups:
-        continue
-      seq.finish_reason, seq.stop_reason = "error", f"engine step failed: {error!r}"
-      self.scheduler.finish(seq)
-      groups[seq.group_id] = self.groups[seq.group_id]
+      self._fail(seq, f"engine step failed: {error!r}", failed)
     if cache_lost:
       self.scheduler.preempt_all()
       self.blocks.forget_cached()
-    return self._emit(groups.values())
+    return self._emit(failed.values())
+
+  def _fail(self, seq: Sequence, reason: str, failed: dict[str, _Group]):
+    """End `seq` with an error; its request joins `failed`, to be reported."""
+    if seq.finished or seq.group_id not in self.groups:
+      return
+    seq.finish_reason, seq.stop_reason = "error", reason
+    self.scheduler.finish(seq)
+    failed[seq.group_id] = self.groups[seq.group_id]
 
   def _append_token(self, seq: Sequence, out: SampleOutput, row: int, now: float):
     p = seq.params

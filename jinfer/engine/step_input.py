@@ -34,6 +34,14 @@ class StepInput:
   prompt_logprobs: bool = struct.field(pytree_node=False, default=False)
 
 
+class RowError(Exception):
+  """The row of sequence `index` (in the batch) could not be built: `error` says why."""
+
+  def __init__(self, index: int, error: Exception):
+    super().__init__(f"sequence {index} of the batch: {error!r}")
+    self.index, self.error = index, error
+
+
 @dataclasses.dataclass(frozen=True)
 class Buckets:
   max_num_seqs: int
@@ -102,37 +110,40 @@ def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
   any_penalty = any(_has_penalty(s) for s in batch.seqs)
   off = 0
   for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-    start = seq.num_computed_tokens
-    pos = np.arange(start, start + n)
-    a["token_ids"][off:off + n] = seq.token_ids[start:start + n]
-    if want_prompt_lp:
-      nxt = seq.token_ids[start + 1:start + n + 1]
-      a["target_ids"][off:off + len(nxt)] = nxt
-    a["positions"][off:off + n] = pos
-    pages = np.asarray(seq.pages, np.int32)
-    a["slot_mapping"][off:off + n] = pages[pos // page_size] * page_size + pos % page_size
-    a["block_table"][i, :len(pages)] = pages
-    a["kv_lens"][i] = start + n
-    off += n
-    a["cu_q_lens"][i + 1] = off
-    a["logits_indices"][i] = off - 1
-    p = seq.params
-    a["temperature"][i] = p.temperature
-    if p.top_k > 0:
-      a["top_k"][i] = p.top_k
-    a["top_p"][i], a["min_p"][i] = p.top_p, p.min_p
-    a["repetition_penalty"][i] = p.repetition_penalty
-    a["presence_penalty"][i] = p.presence_penalty
-    a["frequency_penalty"][i] = p.frequency_penalty
-    a["seeds"][i] = seq.seed
-    a["gen_idx"][i] = len(seq.output_token_ids)
-    a["prompt_lens"][i] = len(seq.prompt_token_ids)
-    a["num_logprobs"][i] = p.logprobs or 0
-    if any_penalty and _has_penalty(seq):
-      a["history"][i, :seq.num_tokens] = seq.token_ids
-    if len(seq.output_token_ids) < p.min_tokens:
-      banned = (() if p.ignore_eos else eos_ids) + p.stop_token_ids
-      a["banned"][i, :len(banned)] = banned
+    try:
+      start = seq.num_computed_tokens
+      pos = np.arange(start, start + n)
+      a["token_ids"][off:off + n] = seq.token_ids[start:start + n]
+      if want_prompt_lp:
+        nxt = seq.token_ids[start + 1:start + n + 1]
+        a["target_ids"][off:off + len(nxt)] = nxt
+      a["positions"][off:off + n] = pos
+      pages = np.asarray(seq.pages, np.int32)
+      a["slot_mapping"][off:off + n] = pages[pos // page_size] * page_size + pos % page_size
+      a["block_table"][i, :len(pages)] = pages
+      a["kv_lens"][i] = start + n
+      off += n
+      a["cu_q_lens"][i + 1] = off
+      a["logits_indices"][i] = off - 1
+      p = seq.params
+      a["temperature"][i] = p.temperature
+      if p.top_k > 0:
+        a["top_k"][i] = p.top_k
+      a["top_p"][i], a["min_p"][i] = p.top_p, p.min_p
+      a["repetition_penalty"][i] = p.repetition_penalty
+      a["presence_penalty"][i] = p.presence_penalty
+      a["frequency_penalty"][i] = p.frequency_penalty
+      a["seeds"][i] = seq.seed
+      a["gen_idx"][i] = len(seq.output_token_ids)
+      a["prompt_lens"][i] = len(seq.prompt_token_ids)
+      a["num_logprobs"][i] = p.logprobs or 0
+      if any_penalty and _has_penalty(seq):
+        a["history"][i, :seq.num_tokens] = seq.token_ids
+      if len(seq.output_token_ids) < p.min_tokens:
+        banned = (() if p.ignore_eos else eos_ids) + p.stop_token_ids
+        a["banned"][i, :len(banned)] = banned
+    except Exception as e:  # what the checks upstream missed fails this sequence alone
+      raise RowError(i, e) from e
   a["cu_q_lens"][len(batch.seqs) + 1:] = off
   return to_step_input(a, b)
 

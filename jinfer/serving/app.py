@@ -1,11 +1,14 @@
 """The OpenAI-compatible HTTP app: routes, API-key check, and errors in OpenAI's shape.
 
 Every failure a client can cause is answered before anything is queued, as
-`{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON, wrong types and
-out-of-range values (as OpenAI's API does), 401 for a missing or wrong key, 404 for an unknown
-model, 429 when the waiting queue is full, 503 while shutting down. A request the engine fails
-gets 500 (or an error event, once its stream has begun) and the others go on. A client that
-disconnects has its request aborted and its KV pages freed.
+`{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON, wrong types,
+out-of-range values and requests that can never fit (as OpenAI's API does), 401 for a missing
+or wrong key, 404 for an unknown model, 429 (with Retry-After) when the waiting queue is full,
+503 while shutting down; the request guard adds 400/403/408/413/415 for what it refuses. A
+request the engine fails gets 500 (or an error event, once its stream has begun) and the others
+go on. A client that disconnects has its request aborted and its KV pages freed. Parsing,
+chat-template rendering and tokenizing run on the engine's worker threads, never on the event
+loop.
 """
 from __future__ import annotations
 
@@ -14,9 +17,11 @@ import contextlib
 import secrets
 import time
 import uuid
-from typing import Awaitable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -24,47 +29,28 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jinfer.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
                                         RequestAbortedError, RequestFailedError)
 from jinfer.serving.completions import OpenAIServing
+from jinfer.serving.errors import APIError, BadRequest, error_response
+from jinfer.serving.guard import RequestGuard
 from jinfer.serving.metrics import ServerMetrics
+from jinfer.serving.options import ServerOptions
 from jinfer.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo,
-                                     ErrorResponse, ModelCard, ModelList)
+                                     ModelCard, ModelList, SamplingRequest)
 
 T = TypeVar("T")
-_Body = TypeVar("_Body", bound=BaseModel)
+_Body = TypeVar("_Body", bound=SamplingRequest)
+RETRY_AFTER_S = 1  # what a 429 asks a client to wait: the queue moves every engine step
 
 
-class APIError(Exception):
-
-  def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-               param: str | None = None, code: str | None = None):
-    super().__init__(message)
-    self.status = status
-    self.info = ErrorInfo(message=message, type=type, param=param, code=code)
-
-
-def _error_response(status: int, info: ErrorInfo) -> JSONResponse:
-  return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status)
-
-
-async def _parse(request: Request, model: type[_Body]) -> _Body:
-  body = await request.body()
-  try:
-    return model.model_validate_json(body)
-  except ValidationError as e:
-    err = e.errors()[0]
-    if err["type"] == "json_invalid":
-      raise APIError(400, f"We could not parse the JSON body of your request: {err['msg']}")
-    loc = err["loc"]
-    if not loc:
-      raise APIError(400, f"The request body is invalid: {err['msg']}")
-    raise APIError(400, f"Invalid value for '{'.'.join(map(str, loc))}': {err['msg']}",
-                   param=str(loc[0]))
-
-
-def _bad_request(e: ValueError, body: BaseModel) -> APIError:
-  # SamplingParams and the engine start their messages with the field's name.
-  word = str(e).split(" ", 1)[0]
-  return APIError(400, str(e), param=word if word in type(body).model_fields else None,
-                  code="context_length_exceeded" if "max_model_len" in str(e) else None)
+def _invalid(e: ValidationError) -> APIError:
+  err = e.errors()[0]
+  if err["type"] == "json_invalid":
+    return APIError(400, f"We could not parse the JSON body of your request: {err['msg']}")
+  # Our own checks' messages, without pydantic's "Value error, " in front.
+  msg = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+  loc = err["loc"]
+  if not loc:
+    return APIError(400, f"The request body is invalid: {msg}")
+  return APIError(400, f"Invalid value for '{'.'.join(map(str, loc))}': {msg}", param=str(loc[0]))
 
 
 async def _disconnected(request: Request):
@@ -86,41 +72,52 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
   return None if task.cancelled() else task.result()
 
 
-def build_app(engine: AsyncLLMEngine, *, model_name: str, api_key: str | None = None,
-              drain_timeout: float = 30.0) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, *, model_name: str,
+              options: ServerOptions = ServerOptions()) -> FastAPI:
   """The app; its lifespan starts the engine loop and, at shutdown, drains it for up to
-  `drain_timeout` seconds before aborting what is left."""
+  `options.shutdown_timeout` seconds before aborting what is left."""
   metrics = ServerMetrics(engine, model_name)
   serving = OpenAIServing(engine, model_name, metrics)
   created = int(time.time())
+  api_key = options.api_key
 
   @contextlib.asynccontextmanager
   async def lifespan(_: FastAPI):
     engine.start()
     yield
-    await engine.shutdown(drain=True, timeout=drain_timeout)
+    await engine.shutdown(drain=True, timeout=options.shutdown_timeout)
 
-  app = FastAPI(title="jinfer", lifespan=lifespan)
+  # The docs are served below, behind the key like the API they describe.
+  app = FastAPI(title="jinfer", lifespan=lifespan, docs_url=None, redoc_url=None,
+                openapi_url=None)
   app.state.engine, app.state.metrics = engine, metrics
 
   @app.exception_handler(APIError)
   async def _api_error(_: Request, e: APIError):
-    return _error_response(e.status, e.info)
+    return e.response()
+
+  @app.exception_handler(EngineDeadError)
+  async def _shutting_down(_: Request, e: EngineDeadError):  # from any stage of a request
+    return error_response(503, ErrorInfo(message=str(e), type="server_error",
+                                         code="shutting_down"))
 
   @app.exception_handler(StarletteHTTPException)
   async def _http_error(_: Request, e: StarletteHTTPException):
-    return _error_response(e.status_code, ErrorInfo(message=str(e.detail),
-                                                    type="invalid_request_error"))
+    return error_response(e.status_code, ErrorInfo(message=str(e.detail),
+                                                   type="invalid_request_error"))
 
   @app.exception_handler(Exception)
   async def _internal_error(_: Request, e: Exception):
-    return _error_response(500, ErrorInfo(message=f"internal error: {e!r}", type="server_error"))
+    # The details stay in the server's log (Starlette re-raises for it), not in the answer.
+    return error_response(500, ErrorInfo(message="internal server error", type="server_error"))
 
   async def check_key(request: Request):
     if api_key is None:
       return
-    given = request.headers.get("authorization", "")
-    if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    # The scheme is case-insensitive (RFC 9110); the key is compared in constant time.
+    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(),
+                                                                 api_key.encode()):
       raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
   def check_model(name: str):
@@ -128,15 +125,25 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, api_key: str | None = 
       raise APIError(404, f"The model `{name}` does not exist.", param="model",
                      code="model_not_found")
 
-  def submit(submit_fn, body, request_id: str):
+  async def parse(request: Request, model: type[_Body]) -> _Body:
     try:
-      return submit_fn(body, request_id)
+      body = await engine.prepare(model.model_validate_json, await request.body())
+    except ValidationError as e:
+      raise _invalid(e) from None
+    check_model(body.model)
+    return body
+
+  async def submit(prepare: Callable[[_Body, str], Awaitable[T]], body: _Body,
+                   request_id: str) -> T:
+    try:
+      return await prepare(body, request_id)
+    except BadRequest as e:
+      raise APIError(400, str(e), param=e.param, code=e.code) from None
     except ValueError as e:
-      raise _bad_request(e, body) from None
+      raise APIError(400, str(e), param=body.field_named_by(str(e))) from None
     except QueueFullError as e:
-      raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
-    except EngineDeadError as e:
-      raise APIError(503, str(e), type="server_error", code="shutting_down") from None
+      raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
+                     headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
   async def respond(request: Request, work: Awaitable[BaseModel]) -> Response:
     try:
@@ -154,14 +161,13 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, api_key: str | None = 
   @v1.get("/models")
   async def models():
     return ModelList(data=[ModelCard(id=model_name, created=created,
-                                     max_model_len=engine.engine.max_model_len)]).model_dump()
+                                     max_model_len=engine.max_model_len)]).model_dump()
 
   @v1.post("/completions")
   async def completions(request: Request):
-    body = await _parse(request, CompletionRequest)
-    check_model(body.model)
+    body = await parse(request, CompletionRequest)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = submit(serving.submit_completion, body, request_id)
+    streams = await submit(serving.submit_completion, body, request_id)
     if body.stream:
       return StreamingResponse(serving.completion_stream(body, streams, request_id),
                                media_type="text/event-stream")
@@ -169,16 +175,31 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, api_key: str | None = 
 
   @v1.post("/chat/completions")
   async def chat_completions(request: Request):
-    body = await _parse(request, ChatCompletionRequest)
-    check_model(body.model)
+    body = await parse(request, ChatCompletionRequest)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = submit(serving.submit_chat, body, request_id)
+    streams = await submit(serving.submit_chat, body, request_id)
     if body.stream:
       return StreamingResponse(serving.chat_stream(body, streams, request_id),
                                media_type="text/event-stream")
     return await respond(request, serving.chat(body, streams, request_id))
 
   app.include_router(v1)
+
+  docs = APIRouter(dependencies=[Depends(check_key)], include_in_schema=False)
+
+  @docs.get("/openapi.json")
+  async def openapi():
+    return JSONResponse(app.openapi())
+
+  @docs.get("/docs")
+  async def swagger():
+    return get_swagger_ui_html(openapi_url="/openapi.json", title="jinfer")
+
+  @docs.get("/redoc")
+  async def redoc():
+    return get_redoc_html(openapi_url="/openapi.json", title="jinfer")
+
+  app.include_router(docs)
 
   @app.get("/health")
   async def health():
@@ -190,4 +211,9 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str, api_key: str | None = 
   async def prometheus_metrics():
     return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+  if options.allowed_origins:
+    app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                       allow_methods=["GET", "POST"],
+                       allow_headers=["Authorization", "Content-Type"])
+  app.add_middleware(RequestGuard, options=options)  # added last: it runs first
   return app

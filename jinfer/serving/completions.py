@@ -6,22 +6,23 @@ import asyncio
 import time
 from typing import AsyncIterator
 
-import jinja2
-
 from jinfer.engine.async_engine import (AsyncLLMEngine, EngineDeadError, RequestAbortedError,
                                         RequestFailedError, RequestStream)
 from jinfer.engine.request import CompletionOutput, RequestOutput
 from jinfer.sampling_params import SamplingParams
+from jinfer.serving.errors import BadRequest
 from jinfer.serving.metrics import ServerMetrics
 from jinfer.serving.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                      ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
                                      CompletionLogprobs, CompletionRequest, CompletionResponse,
                                      DeltaMessage, ErrorInfo, ErrorResponse, PromptTokensDetails,
-                                     TopLogprob, Usage)
+                                     SamplingRequest, TopLogprob, Usage)
 
 _MIN_LOGPROB = -9999.0  # what OpenAI reports for tokens sampling could never pick (-inf)
 DONE = "data: [DONE]\n\n"
+# chat_template_kwargs that would clash with what the server itself passes the template.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize"})
 
 
 def sse(obj) -> str:
@@ -54,31 +55,67 @@ class OpenAIServing:
 
   def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics):
     self.engine, self.model_name, self.metrics = engine, model_name, metrics
-    self.tokenizer = engine.engine.tokenizer
+    self.tokenizer = engine.tokenizer
     self._token_text: dict[int, str] = {}
 
   # -- turning requests into engine requests ----------------------------------------------
-  def submit_completion(self, req: CompletionRequest, request_id: str) -> list[RequestStream]:
-    """Queue one engine request per prompt, all validated before any is queued."""
+  async def submit_completion(self, req: CompletionRequest,
+                              request_id: str) -> list[RequestStream]:
+    """Queue one engine request per prompt, all prepared and validated (on a worker thread)
+    before any is queued."""
     params = req.sampling_params()
-    prompts = [self.engine.engine.tokenize(p) for p in req.prompts()]
-    for i, ids in enumerate(prompts):
-      try:
-        self.engine.engine.validate(ids, params)
-      except ValueError as e:
-        raise ValueError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
+    prompts = await self.engine.prepare(self._completion_prompts, req, params)
     return self._submit(prompts, params, request_id)
 
-  def submit_chat(self, req: ChatCompletionRequest, request_id: str) -> list[RequestStream]:
+  def _completion_prompts(self, req: CompletionRequest, params: SamplingParams) -> list[list[int]]:
+    prompts = req.prompts()
+    if len(prompts) > 1 and len(prompts) * params.n > self.engine.max_waiting:
+      raise BadRequest(f"{len(prompts)} prompts x n={params.n} make more sequences than this "
+                       f"server queues ({self.engine.max_waiting}): send them in smaller requests",
+                       param="prompt")
+    return [self._prompt_ids(p, params, req, "prompt", f"prompt {i}: " if len(prompts) > 1 else "")
+            for i, p in enumerate(prompts)]
+
+  async def submit_chat(self, req: ChatCompletionRequest, request_id: str) -> list[RequestStream]:
     params = req.sampling_params()
+    ids = await self.engine.prepare(self._chat_prompt, req, params)
+    return self._submit([ids], params, request_id)
+
+  def _chat_prompt(self, req: ChatCompletionRequest, params: SamplingParams) -> list[int]:
+    kwargs = req.chat_template_kwargs or {}
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+      raise BadRequest(f"chat_template_kwargs may not set {', '.join(reserved)}: the server "
+                       f"sets {'it' if len(reserved) == 1 else 'them'}",
+                       param="chat_template_kwargs")
+    # Keys the template never reads are dropped, as vLLM does: they could only clash.
+    usable = self.tokenizer.chat_template_variables
     try:
-      text = self.tokenizer.apply_chat_template([m.for_template() for m in req.messages],
-                                                add_generation_prompt=True,
-                                                **(req.chat_template_kwargs or {}))
-    except jinja2.TemplateError as e:
-      raise ValueError(f"the chat template rejected the messages: {e}") from None
-    return self._submit([self.tokenizer.encode(text, add_special_tokens=False)], params,
-                        request_id)
+      text = self.tokenizer.apply_chat_template(
+          [m.for_template() for m in req.messages], add_generation_prompt=True,
+          **{k: v for k, v in kwargs.items() if k in usable})
+    except Exception as e:  # the template works for well-formed input: the request broke it
+      raise BadRequest(f"the chat template could not render these messages: {e}",
+                       param="messages") from None
+    return self._prompt_ids(text, params, req, "messages", "", add_special_tokens=False)
+
+  def _prompt_ids(self, prompt: str | list[int], params: SamplingParams, req: SamplingRequest,
+                  field: str, where: str, add_special_tokens: bool = True) -> list[int]:
+    """The token ids of a prompt the engine can run, or BadRequest naming the field at fault."""
+    ids = None
+    try:
+      ids = self.engine.tokenize(prompt, add_special_tokens=add_special_tokens)
+      self.engine.validate(ids, params)
+      return ids
+    except ValueError as e:
+      msg = str(e)
+      too_long = "max_model_len" in msg
+      if too_long and ids is not None and len(ids) < self.engine.max_model_len:
+        param = req.max_tokens_field  # the prompt fits; with the output asked for, it does not
+      else:
+        param = req.field_named_by(msg) or field
+      raise BadRequest(where + msg, param=param,
+                       code="context_length_exceeded" if too_long else None) from None
 
   def _submit(self, prompts: list[list[int]], params: SamplingParams,
               request_id: str) -> list[RequestStream]:

@@ -7,11 +7,22 @@ JSON mode, logit_bias, echo, suffix, best_of) are refused rather than silently d
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from jinfer.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+def _show(v: Any) -> str:
+  """A JSON value for an error message, cut short."""
+  text = json.dumps(v)
+  return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_token_id(v: Any) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
 
 
 class _Request(BaseModel):
@@ -22,7 +33,7 @@ class StreamOptions(_Request):
   include_usage: bool = False
 
 
-class _SamplingRequest(_Request):
+class SamplingRequest(_Request):
   """Fields the two endpoints share, OpenAI's and vLLM's extensions."""
   model: str
   n: int = 1
@@ -45,6 +56,31 @@ class _SamplingRequest(_Request):
   stop_token_ids: list[int] | None = None
   include_stop_str_in_output: bool = False
   skip_special_tokens: bool = True
+
+  @field_validator("stop", mode="before")
+  @classmethod
+  def _stop_strings(cls, v: Any) -> Any:
+    # Said here: the union's own error would name a member type ("stop.str").
+    if isinstance(v, list):
+      bad = next((i for i, s in enumerate(v) if not isinstance(s, str)), None)
+      if bad is not None:
+        raise ValueError(f"stop strings must be strings; item {bad} is {_show(v[bad])}")
+    elif v is not None and not isinstance(v, str):
+      raise ValueError(f"must be a string or a list of strings, got {_show(v)}")
+    return v
+
+  @property
+  def max_tokens_field(self) -> str:
+    """The field the request gave its output limit in."""
+    return "max_tokens"
+
+  def field_named_by(self, message: str) -> str | None:
+    """The request field an error is about: the messages of SamplingParams, of the engine and
+    of the checks here open with the field's name."""
+    word = message.split(" ", 1)[0]
+    if word == "max_tokens":
+      return self.max_tokens_field
+    return word if word in type(self).model_fields else None
 
   def _check_common(self):
     if self.stream_options is not None and not self.stream:
@@ -72,13 +108,39 @@ class _SamplingRequest(_Request):
     return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
   prompt: str | list[str] | list[int] | list[list[int]]
   max_tokens: int | None = 16
   logprobs: int | None = None
   echo: bool = False
   best_of: int | None = None
   suffix: str | None = None
+
+  @field_validator("prompt", mode="before")
+  @classmethod
+  def _prompt_shape(cls, v: Any) -> Any:
+    # Said here: the union's own error would name a member type ("prompt.str").
+    if isinstance(v, str):
+      return v
+    if not isinstance(v, list):
+      raise ValueError(f"must be a string, a list of strings, a list of token ids or a list of "
+                       f"lists of token ids, got {_show(v)}")
+    if v and isinstance(v[0], str):
+      bad = next((i for i, p in enumerate(v) if not isinstance(p, str)), None)
+      if bad is not None:
+        raise ValueError(f"a list of prompts holds strings; item {bad} is {_show(v[bad])}")
+    elif v and isinstance(v[0], list):
+      for i, ids in enumerate(v):
+        if not isinstance(ids, list):
+          raise ValueError(f"a list of token-id prompts holds lists; item {i} is {_show(ids)}")
+        bad = next((j for j, t in enumerate(ids) if not _is_token_id(t)), None)
+        if bad is not None:
+          raise ValueError(f"token ids are integers; item [{i}][{bad}] is {_show(ids[bad])}")
+    else:
+      bad = next((i for i, t in enumerate(v) if not _is_token_id(t)), None)
+      if bad is not None:
+        raise ValueError(f"token ids are integers; item {bad} is {_show(v[bad])}")
+    return v
 
   def prompts(self) -> list[str | list[int]]:
     p = self.prompt
@@ -109,6 +171,21 @@ class ChatMessage(_Request):
   content: str | list[TextPart] | None = None
   name: str | None = None
 
+  @field_validator("content", mode="before")
+  @classmethod
+  def _text_only(cls, v: Any) -> Any:
+    # Said here: the union's own error would name a member type ("content.str").
+    if isinstance(v, list):
+      for i, part in enumerate(v):
+        if not isinstance(part, dict):
+          raise ValueError(f"content parts are objects with a type; part {i} is {_show(part)}")
+        if part.get("type") != "text":
+          raise ValueError(f"only text content parts are supported; part {i} has type "
+                           f"{_show(part.get('type'))}")
+    elif v is not None and not isinstance(v, str):
+      raise ValueError(f"must be a string or a list of text parts, got {_show(v)}")
+    return v
+
   def for_template(self) -> dict[str, Any]:
     content = self.content
     if isinstance(content, list):
@@ -122,7 +199,7 @@ class ResponseFormat(_Request):
   type: str
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
   messages: list[ChatMessage] = Field(min_length=1)
   max_tokens: int | None = None  # None: up to the context limit
   max_completion_tokens: int | None = None
@@ -131,6 +208,10 @@ class ChatCompletionRequest(_SamplingRequest):
   tools: list[Any] | None = None
   response_format: ResponseFormat | None = None
   chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension
+
+  @property
+  def max_tokens_field(self) -> str:
+    return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
   def sampling_params(self) -> SamplingParams:
     self._check_common()
