@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jinfer.sampling_params import SamplingParams
-from tests.engine_fixtures import CompileCounter, make_engine
+from tests.engine_fixtures import CompileCounter, make_engine, tiny_loaded
 from tests.paged_batch import PagedBatch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -8,6 +8,8 @@ import torch
 from jinfer import LLM, SamplingParams
 from tests.paged_batch import PagedBatch
 
+pytestmark = pytest.mark.slow  # HF transformers on the real model
+
 PROMPTS = [
     "The history of the Roman Empire",
     "def quicksort(arr):",
