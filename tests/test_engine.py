@@ -49,6 +49,7 @@ def test_greedy_output_same_alone_and_in_a_batch(engine):
     assert a == b, f"request {i} differs in a batch"
 
 
+@pytest.mark.slow
 def test_prefix_cache_skips_shared_prompt_and_keeps_output(loaded):
   eng = make_engine(loaded, max_model_len=256, page_size=8, max_num_seqs=8,
                     max_num_batched_tokens=64)
@@ -66,6 +67,7 @@ def test_prefix_cache_skips_shared_prompt_and_keeps_output(loaded):
   assert _run(cold, prompts, GREEDY) == first + rest
 
 
+@pytest.mark.slow
 def test_random_aborts_leak_no_pages(engine):
   rng = np.random.default_rng(5)
   prompts = _prompts(24, seed=6)
@@ -218,6 +220,7 @@ def test_sampling_params_at_their_limits():
   assert SamplingParams(top_k=0).top_k == -1 and type(SamplingParams(n=np.int64(2)).n) is int
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_match_the_model(loaded):
   eng = make_engine(loaded, max_model_len=256, page_size=8, max_num_seqs=4,
                     max_num_batched_tokens=16, enable_prompt_logprobs=True)

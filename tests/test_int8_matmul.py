@@ -71,6 +71,7 @@ def test_kernel_matches_reference(backend, mode, dtype, m, k, n, blocks):
                              atol=tol, rtol=tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
 def test_pallas_tpu_detect_races(mode):
   """The strict TPU interpreter, two simulated cores splitting the parallel grid axes."""

@@ -27,6 +27,7 @@ def _params(seed: int = 0) -> dict:
                       param_shapes(CONFIG))
 
 
+@pytest.mark.slow
 def test_scanned_and_unrolled_stacks_agree():
   params = _params()
   rng = np.random.default_rng(1)
@@ -42,7 +43,7 @@ def test_scanned_and_unrolled_stacks_agree():
   np.testing.assert_allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
+@pytest.mark.parametrize("scan_layers", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_step_does_not_copy_the_kv_cache(scan_layers):
   """The compiled step's temporary memory does not grow with the cache: the cache is updated
   in place and every layer reads its pages where they are."""
@@ -70,6 +71,7 @@ def test_hidden_states_come_out_beside_the_logits():
                              rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_quantized_weights_are_a_leaf_type_with_per_layer_channels():
   params = _params()
   kernels = linear_kernels(CONFIG)

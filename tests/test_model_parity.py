@@ -37,7 +37,12 @@ DECODE_STEPS = 8
 PAGE_SIZE = 4  # sequences span many pages
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+# The fast tier checks these two (GQA + llama3 rope scaling, sliding windows); all run in full.
+FAST = ("llama3-gqa-rope-scaled", "mistral-sliding-window")
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(name, marks=() if name in FAST else pytest.mark.slow) for name in sorted(CONFIGS)])
 def tiny_model(request, tmp_path_factory):
   cls, extra = CONFIGS[request.param]
   torch.manual_seed(0)

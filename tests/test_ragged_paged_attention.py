@@ -87,6 +87,12 @@ CASES = [
          absent_pages=True, sliding_window=20),
 ]
 CASE_IDS = [c.name for c in CASES]
+# The fast tier runs these (mixed rows, windows, GQA, trees, absent pages); the rest are slow.
+FAST_CASES = ("mha_d64_p8_f32", "gqa8_d64_p16_window", "verify_trees_gqa4_d64_p8",
+              "absent_pages_gqa2_d64_p8")
+CASE_PARAMS = [pytest.param(c, id=c.name,
+                            marks=() if c.name in FAST_CASES else pytest.mark.slow)
+               for c in CASES]
 
 
 def random_tree(rng, n: int) -> np.ndarray:  # [n, n] bool: row i sees its ancestors and itself
@@ -229,7 +235,7 @@ def check(case: Case, got: np.ndarray, want: np.ndarray):
   assert (got[n_real:] == 0).all()
 
 
-@pytest.fixture(scope="module", params=CASES, ids=CASE_IDS)
+@pytest.fixture(scope="module", params=CASE_PARAMS)
 def case_batch(request):
   case = request.param
   b = make_batch(case)
@@ -291,6 +297,7 @@ RACE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", RACE_CASES, ids=[c.name for c in RACE_CASES])
 def test_pallas_tpu_detect_races(case):
   """The strict TPU interpreter: fails on DMA races, out-of-bounds reads, reads before a wait."""
