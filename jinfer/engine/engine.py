@@ -18,6 +18,8 @@ from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jinfer.engine.step_input import MAX_BANNED, RowError, StepInput, build_step_input
 from jinfer.models import linear_kernels
+from jinfer.parallel.mesh import make_mesh
+from jinfer.parallel.sharding import check_tensor_parallel, duplicate_kv_heads
 from jinfer.quant.qarray import quantize_params
 from jinfer.sample import SampleOutput
 from jinfer.sampling_params import SamplingParams
@@ -78,17 +80,18 @@ class LLMEngine:
 
   @classmethod
   def from_parts(cls, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None, *,
-                 config: EngineConfig | None = None, dtype=None,
-                 warmup: bool = True) -> "LLMEngine":
-    """An engine over params already loaded (stacked layout, see `jinfer.models`)."""
+                 config: EngineConfig | None = None, dtype=None, warmup: bool = True,
+                 devices: list | None = None) -> "LLMEngine":
+    """An engine over params already loaded (stacked layout, see `jinfer.models`); `devices`:
+    the ones its mesh uses (default: the first tensor x context parallel size of them)."""
     self = cls.__new__(cls)
     self.load_seconds = 0.0
     self._build(model_config, params, tokenizer, config or EngineConfig(),
-                dtype or default_dtype(), warmup)
+                dtype or default_dtype(), warmup, devices)
     return self
 
   def _build(self, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None,
-             config: EngineConfig, dtype, warmup: bool):
+             config: EngineConfig, dtype, warmup: bool, devices: list | None = None):
     self.model_config, self.tokenizer = model_config, tokenizer
     self.config = config = config.for_model(model_config)
     if config.compilation_cache:
@@ -96,16 +99,24 @@ class LLMEngine:
     self.max_model_len = config.max_model_len
     self.eos_ids = tuple(model_config.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer
                                                          else ())
+    par = config.parallel_config()
     self.blocks = BlockManager(config.resolved_num_pages(), config.page_size,
-                               config.enable_prefix_caching)
+                               config.enable_prefix_caching, num_ranks=par.context_parallel_size)
     self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
     self.buckets = config.buckets()
-    kernels = config.kernel_options()
+    run_config, mesh = model_config, None
+    if par.is_parallel or devices is not None:
+      check_tensor_parallel(model_config, par.tensor_parallel_size)
+      run_config, params = duplicate_kv_heads(model_config, params, par.tensor_parallel_size)
+      mesh = make_mesh(par, devices)
     if config.quantization:
-      params = quantize_params(params, linear_kernels(model_config))
-    self.runner = ModelRunner(model_config, params, config.kv_spec(model_config, dtype),
+      params = quantize_params(params, linear_kernels(run_config))
+    # One device gets no mesh in the kernels: attention skips the per-shard wrapper.
+    kernels = config.kernel_options(mesh if par.is_parallel else None)
+    self.runner = ModelRunner(run_config, params, config.kv_spec(run_config, dtype),
                               self.buckets, kernels=kernels, dtype=dtype,
-                              scan_layers=config.resolved_scan_layers())
+                              scan_layers=config.resolved_scan_layers(), mesh=mesh,
+                              expert_parallel=config.enable_expert_parallel)
     self.groups: dict[str, _Group] = {}
     self._seed_rng = np.random.default_rng(config.seed)
     self._ids = itertools.count()

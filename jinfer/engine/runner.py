@@ -9,12 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jinfer.config import ModelConfig
 from jinfer.engine import compilation_cache
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
-from jinfer.models import CausalLM, unstack_layers
+from jinfer.models import CausalLM, logical_axes, unstack_layers
 from jinfer.models.kernel_options import KernelOptions
+from jinfer.parallel import sharding
 from jinfer.quant.qarray import param_bytes
 from jinfer.sample import SampleOutput, sample
 from jinfer.sampling_params import MAX_LOGPROBS
@@ -56,18 +58,29 @@ def _step(model: CausalLM, return_hidden: bool, params, kv_cache, inp: StepInput
 
 class ModelRunner:
   """`params` in the stacked layout; `scan_layers=False` runs the unrolled stack over per-layer
-  copies (made once here, the stacked arrays then dropped)."""
+  copies (made once here, the stacked arrays then dropped).
+
+  `mesh`: the devices this runner's params and KV cache live on, laid out by
+  `jinfer.parallel.sharding` (`config` has its KV heads duplicated already where fewer than the
+  tensor axis); the step's outputs come back replicated, so every process can read them."""
 
   def __init__(self, config: ModelConfig, params: dict, spec: KVCacheSpec, buckets: Buckets, *,
-               kernels: KernelOptions, dtype, scan_layers: bool, return_hidden: bool = False):
-    self.config, self.spec, self.buckets = config, spec, buckets
+               kernels: KernelOptions, dtype, scan_layers: bool, return_hidden: bool = False,
+               mesh: Mesh | None = None, expert_parallel: bool = False):
+    self.config, self.spec, self.buckets, self.mesh = config, spec, buckets, mesh
     self.model = CausalLM(config, kernels, dtype=dtype, scan_layers=scan_layers)
+    out_shardings = None
+    if mesh is not None:
+      params = sharding.shard_params(params, logical_axes(config), mesh, expert_parallel)
+      out_shardings = (NamedSharding(mesh, P()), sharding.kv_cache_sharding(mesh))
     self.params = params if scan_layers else unstack_layers(params, config.num_layers)
-    self.kv_cache = spec.allocate()
+    self._allocate = jax.jit(spec.allocate, out_shardings=None if mesh is None
+                             else sharding.kv_cache_sharding(mesh))
+    self.kv_cache = self._allocate()
     self.cache_resets = 0  # times a failed step consumed the cache and it was rebuilt empty
     # The cache is donated: XLA updates it in place instead of copying it every step.
     self._step = jax.jit(functools.partial(_step, self.model, return_hidden),
-                         donate_argnums=(1,))
+                         donate_argnums=(1,), out_shardings=out_shardings)
     self._shapes_run: set[tuple[int, bool]] = set()
 
   def run(self, inp: StepInput) -> StepOutput:
@@ -93,7 +106,7 @@ class ModelRunner:
       # The cache was donated to the failed call: if XLA consumed it, start from an empty one
       # (the caller must then treat every cached token as gone).
       if self.kv_cache.is_deleted():
-        self.kv_cache = self.spec.allocate()
+        self.kv_cache = self._allocate()
         self.cache_resets += 1
       raise
     return jax.tree.map(np.asarray, out)
@@ -112,3 +125,8 @@ class ModelRunner:
   @property
   def kv_cache_bytes(self) -> int:
     return self.kv_cache.nbytes
+
+  def bytes_per_device(self) -> dict:
+    """{device: (weight bytes, KV cache bytes)} for the devices this process holds."""
+    w, kv = sharding.bytes_per_device(self.params), sharding.bytes_per_device(self.kv_cache)
+    return {d: (w.get(d, 0), kv.get(d, 0)) for d in set(w) | set(kv)}

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax.sharding import Mesh
+
 QUANTIZATIONS = (None, "int8", "w8a8")
 
 
@@ -14,6 +16,10 @@ class KernelOptions:
   # None: float weights. "int8": int8 weights with per-output-channel scales, float activations
   # (W8A16). "w8a8": activations quantized per token too, int32 accumulation.
   quantization: str | None = None
+  # Devices the model runs over: attention runs per shard of this `(context, tensor)` mesh (see
+  # jinfer/parallel/attention.py); None is one device.
+  mesh: Mesh | None = None
+  context_layout: str = "zigzag"  # how a step's query rows lie over the context ranks
 
   def __post_init__(self):
     if self.quantization not in QUANTIZATIONS:

@@ -31,7 +31,8 @@ from flax import struct
 from jinfer.config import ModelConfig
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.quant.qarray import QArray
-from pallas_kernels import AttentionMetadata, int8_matmul, ragged_paged_attention, write_kv
+from jinfer.parallel.attention import paged_attention
+from pallas_kernels import AttentionMetadata, int8_matmul
 
 _init = nn.initializers.normal(0.02)
 NO_WINDOW = 1 << 30  # a per-layer window that never excludes a key
@@ -134,10 +135,10 @@ class Attention(nn.Module):
       q = RMSNorm(d, c.rms_norm_eps, self.dtype, name="q_norm")(q)
       k = RMSNorm(d, c.rms_norm_eps, self.dtype, name="k_norm")(k)
     q, k = rope(q, cos, sin), rope(k, cos, sin)
-    kv_cache = write_kv(kv_cache, layer.index, k, v, md.slot_mapping)
-    o = ragged_paged_attention(q, kv_cache, md, layer=layer.index, sm_scale=d ** -0.5,
-                               sliding_window=layer.window, backend=kn.attention,
-                               interpret=kn.interpret)
+    o, kv_cache = paged_attention(q, k, v, kv_cache, md, layer=layer.index,
+                                  sliding_window=layer.window, sm_scale=d ** -0.5,
+                                  backend=kn.attention, interpret=kn.interpret, mesh=kn.mesh,
+                                  context_layout=kn.context_layout)
     out = Linear((hq, d, e), ("q_heads", "head_dim", "embed"), kn, n_in=2, dtype=self.dtype,
                  name="o_proj")(o)  # [T, E]
     return out, kv_cache
