@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Iterable
 
+import jax
 import numpy as np
 
 from jinfer.config import ModelConfig
@@ -104,6 +105,11 @@ class LLMEngine:
                                config.enable_prefix_caching, num_ranks=par.context_parallel_size)
     self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
     self.buckets = config.buckets()
+    if jax.process_count() > 1 and (par.data_parallel_size > 1 or
+                                    par.devices_per_engine != jax.device_count()):
+      raise ValueError(f"with several processes the mesh spans every device: "
+                       f"tensor_parallel_size x context_parallel_size must be "
+                       f"{jax.device_count()}, and data_parallel_size 1")
     run_config, mesh = model_config, None
     if par.is_parallel or devices is not None:
       check_tensor_parallel(model_config, par.tensor_parallel_size)
@@ -197,6 +203,14 @@ class LLMEngine:
 
   def has_unfinished_requests(self) -> bool:
     return bool(self.groups)
+
+  def close(self):
+    """Release the other processes of a multi-process mesh (a no-op otherwise)."""
+    self.runner.close()
+
+  def running_request_ids(self) -> set[str]:
+    """Requests with a sequence in the running batch (what a failed step would have run)."""
+    return {seq.group_id for seq in self.scheduler.running}
 
   # -- the loop -----------------------------------------------------------------------------
   def step(self) -> list[RequestOutput]:

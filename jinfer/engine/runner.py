@@ -16,7 +16,7 @@ from jinfer.engine import compilation_cache
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
 from jinfer.models import CausalLM, logical_axes, unstack_layers
 from jinfer.models.kernel_options import KernelOptions
-from jinfer.parallel import sharding
+from jinfer.parallel import distributed, sharding
 from jinfer.quant.qarray import param_bytes
 from jinfer.sample import SampleOutput, sample
 from jinfer.sampling_params import MAX_LOGPROBS
@@ -82,9 +82,15 @@ class ModelRunner:
     self._step = jax.jit(functools.partial(_step, self.model, return_hidden),
                          donate_argnums=(1,), out_shardings=out_shardings)
     self._shapes_run: set[tuple[int, bool]] = set()
+    # Several processes (jinfer/parallel/distributed.py): process 0 announces each step by its
+    # index in this list of every step shape, then sends its input.
+    self._multiprocess = jax.process_count() > 1
+    self._variants = buckets.shapes(True)
 
   def run(self, inp: StepInput) -> StepOutput:
     shape = (inp.token_ids.shape[0], inp.prompt_logprobs)
+    if self._multiprocess:  # the other processes run the same step on their devices
+      self._announce(self._variants.index(shape), inp)
     if shape in self._shapes_run:
       return self._run(inp)
     # A shape's first run compiles it (or loads it from the persistent cache): say so, since it
@@ -110,6 +116,31 @@ class ModelRunner:
         self.cache_resets += 1
       raise
     return jax.tree.map(np.asarray, out)
+
+  def _announce(self, variant: int, inp: StepInput | None = None):
+    distributed.broadcast(np.asarray([variant], np.int32), is_source=True)
+    if inp is not None:
+      distributed.broadcast(inp, is_source=True)
+
+  def follow(self):
+    """On a process other than the leader: run the leader's steps until it closes."""
+    while True:
+      (variant,) = distributed.broadcast(np.zeros(1, np.int32), is_source=False)
+      if variant < 0:
+        return
+      t, prompt_lp = self._variants[variant]
+      template = to_step_input(empty_step_input(self.buckets, t, prompt_lp), self.buckets)
+      inp = distributed.broadcast(template, is_source=False)
+      try:
+        self._run(inp)
+      except Exception:  # the leader's step failed too, and it decides what happens next
+        log.exception("a step failed")
+
+  def close(self):
+    """On the leader of several processes: release the followers."""
+    if self._multiprocess and jax.process_index() == 0:
+      self._announce(-1)
+      self._multiprocess = False
 
   def warmup(self, with_prompt_logprobs: bool = False) -> float:
     """Compile every bucket by running an all-padding step of each shape; returns seconds."""
