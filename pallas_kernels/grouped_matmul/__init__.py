@@ -51,8 +51,9 @@ def grouped_matmul(
   `rhs[g]`; rows past `sum(group_sizes)` come out zero. Empty groups cost nothing.
 
   `mode` applies to int8 rhs only. `interpret` runs the Pallas backend in interpret mode (True,
-  or `pltpu.InterpretParams`); `block_sizes` go to the implementation (block_m for xla; block_m,
-  block_n, block_k for pallas_tpu).
+  or `pltpu.InterpretParams`) so it works on the CPU; the XLA backends run anywhere and ignore
+  it. `block_sizes` go to the implementation (block_m for xla; block_m, block_n, block_k for
+  pallas_tpu).
   """
   if backend not in _IMPLS:
     raise ValueError(f"unknown grouped matmul backend {backend!r}; choose one of {BACKENDS}")
@@ -69,6 +70,4 @@ def grouped_matmul(
   kw = dict(mode=mode, **block_sizes)
   if backend == "pallas_tpu":
     kw["interpret"] = interpret
-  elif interpret:
-    raise ValueError(f"the {backend} backend has no interpret mode")
   return _IMPLS[backend](lhs, rhs, group_sizes.astype(jnp.int32), scale, **kw)
