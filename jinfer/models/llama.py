@@ -223,7 +223,9 @@ def _stacked(mod: nn.Module, name: str, n: int, module: nn.Module, *args) -> dic
   """Params of `n` copies of `module` (initialized on `args`), stacked on a leading `layers`
   axis, as the param subtree `name` of `mod`."""
   def init(rng):
-    boxes = jax.vmap(lambda r: module.init(r, *args)["params"])(jax.random.split(rng, n))
+    # lax.map, not vmap: flax traces this again on every apply to check the shapes, and not
+    # every grouped matmul backend has a batching rule.
+    boxes = jax.lax.map(lambda r: module.init(r, *args)["params"], jax.random.split(rng, n))
     return jax.tree.map(lambda b: b.replace(names=("layers",) + b.names), boxes,
                         is_leaf=_is_box)
   return mod.param(name, init)
