@@ -68,8 +68,8 @@ CASES = [pytest.param(d, m, id=f"{d}-{m or 'float'}", marks=[_slow] if slow else
 
 @pytest.mark.parametrize("dtype,mode", CASES)
 def test_xla_matches_oracle(dtype, mode):
-  _check("xla", dtype, mode)
-  _check("xla", dtype, mode, block_m=8)  # many tiles per group
+  _check("xla", dtype, mode)  # float: batched blocks; int8: the loop
+  _check("xla", dtype, mode, block_m=8)  # the loop, many tiles per group
 
 
 @pytest.mark.parametrize("dtype,mode", CASES)

@@ -4,7 +4,8 @@ expert computation: one call per projection for every expert's tokens, none drop
 One entry point, implementations chosen by `backend`:
 
   ragged_dot  `jax.lax.ragged_dot`: the oracle, and the GPU path
-  xla         a loop over the non-empty groups; what runs on the CPU (see xla.py for why)
+  xla         batched blocks or a loop over the non-empty groups; what runs on the CPU (see
+              xla.py for why)
   pallas_tpu  Mosaic TPU kernel
 
 int8 weights come with one float scale per group and output channel: W8A16 (activations stay

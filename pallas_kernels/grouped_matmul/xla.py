@@ -1,11 +1,20 @@
 """Grouped matmul in plain XLA ops for the CPU.
 
-XLA:CPU computes `ragged_dot` densely, every row against every group's weights masked afterwards
-(measured ~10x a dense matmul of the same active rows with 8 groups). Here a loop visits only the
-non-empty groups; each multiplies its rows, `block_m` at a time, by its own weights, so a group's
-weights are read once and the work is the rows it holds (plus at most `block_m - 1` rows of
-tile padding per group). int8 weights are widened one group at a time, so memory traffic stays
-int8.
+XLA:CPU computes `ragged_dot` densely, every row against every group's weights, masked afterwards
+(measured ~10x a dense matmul of the same active rows with 8 groups). And a dot never reads a
+slice of a stacked array in place: `rhs[g]` is copied first, which for a grouped matmul means
+copying every group's weights on every call. Two ways around both, picked by shape:
+
+  * blocks (float weights, at least one row per group on average): each group's rows are
+    gathered into a `[G, C, K]` block, C the smallest of a few capacities that holds the
+    largest group, and one batched dot `[G, C, K] x [G, K, N]` reads every group's weights in
+    place. Work is G x C rows: the capacities step by 1.5x, so at most ~1.5x the rows of the
+    largest group, per group.
+  * a loop over the non-empty groups (few rows per group, or int8 weights): each group
+    multiplies its rows, `block_m` at a time, by its own weights (copied out, or widened from
+    int8 one group at a time, so memory traffic stays int8). Empty groups cost nothing.
+
+Both are dropless: every row is computed, whatever the group sizes.
 """
 from __future__ import annotations
 
@@ -17,10 +26,18 @@ from pallas_kernels.int8_matmul.quantize import quantize_per_token
 
 
 def default_block_m(m: int, num_groups: int) -> int:
-  """Rows per tile: the mean group size as a power of two in [8, 128]: decode-sized groups waste
-  few rows, prefill-sized ones run few large matmuls."""
+  """Rows per tile of the loop: the mean group size as a power of two in [8, 128]."""
   mean = max(1, -(-m // num_groups))
   return min(128, max(8, 1 << (mean - 1).bit_length()))
+
+
+def capacities(m: int) -> list[int]:
+  """Block capacities for m rows: multiples of 8 growing by 1.5x, then m."""
+  out, c = [], 8
+  while c < m:
+    out.append(c)
+    c = -(-c * 3 // 2 // 8) * 8
+  return out + [m]
 
 
 def grouped_matmul_xla(
@@ -32,9 +49,39 @@ def grouped_matmul_xla(
     mode: str,
     block_m: int | None = None,
 ) -> jax.Array:  # [M, N] lhs.dtype
-  m, k = lhs.shape
-  g, _, n = rhs.shape
-  bm = block_m or default_block_m(m, g)
+  m, g = lhs.shape[0], rhs.shape[0]
+  if scale is None and block_m is None and m >= g:
+    return _blocks(lhs, rhs, group_sizes)
+  return _loop(lhs, rhs, group_sizes, scale, mode=mode, block_m=block_m or default_block_m(m, g))
+
+
+def _blocks(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  m, g = lhs.shape[0], rhs.shape[0]
+  ends = jnp.cumsum(group_sizes)
+  starts = ends - group_sizes
+  rows = jnp.arange(m)
+  row_group = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), g - 1)  # [M]
+  slot = rows - starts[row_group]  # [M]: a row's place in its group's block
+
+  def with_capacity(c: int):
+    def run(x):
+      src = starts[:, None] + jnp.arange(c)[None, :]  # [G, C]: the row each block slot holds
+      blocks = jnp.where((jnp.arange(c)[None, :] < group_sizes[:, None])[..., None],
+                         x[jnp.minimum(src, m - 1)], 0)  # [G, C, K]
+      out = jnp.einsum("gck,gkn->gcn", blocks, rhs.astype(x.dtype),
+                       preferred_element_type=jnp.float32)  # [G, C, N]
+      return out[row_group, jnp.minimum(slot, c - 1)]  # [M, N]
+    return run
+
+  caps = capacities(m)
+  pick = jnp.minimum(jnp.searchsorted(jnp.asarray(caps), jnp.max(group_sizes)), len(caps) - 1)
+  out = lax.switch(pick, [with_capacity(c) for c in caps], lhs)
+  return jnp.where((rows < ends[-1])[:, None], out, 0).astype(lhs.dtype)
+
+
+def _loop(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, scale: jax.Array | None, *,
+          mode: str, block_m: int) -> jax.Array:
+  m, n, bm = lhs.shape[0], rhs.shape[2], block_m
   w8a8 = scale is not None and mode == "w8a8"
   ends = jnp.cumsum(group_sizes)
   starts = ends - group_sizes
