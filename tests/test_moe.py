@@ -264,3 +264,20 @@ def test_unsupported_moe_configs_raise(change, match):
   ModelConfig.from_hf_dict(d)
   with pytest.raises(ValueError, match=match):
     ModelConfig.from_hf_dict({**d, **change})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_pallas_tpu_grouped_matmul_in_the_model(quantization, tmp_path):
+  """The model on the TPU kernel (interpreted) gives the CPU path's logits and expert load."""
+  _, config, params, _ = _saved(FAST, tmp_path)
+  if quantization:
+    params = quantize_params(params, linear_kernels(config))
+  prompts = _prompts(config, 8)
+  want = _prefill(CausalLM(config, KernelOptions(quantization=quantization)), params, prompts,
+                  pad_to=PREFILL_ROWS)
+  tpu = KernelOptions(quantization=quantization, matmul="pallas_tpu",
+                      grouped_matmul="pallas_tpu", interpret=True)
+  got = _prefill(CausalLM(config, tpu), params, prompts, pad_to=PREFILL_ROWS)
+  np.testing.assert_allclose(got[0], want[0], atol=1e-4, rtol=1e-4)
+  np.testing.assert_array_equal(got[1], want[1])
