@@ -124,10 +124,12 @@ class ModelConfig:
         windows = [window] * num_layers
       elif arch in ("qwen2", "qwen3", "qwen2_moe") and d.get("use_sliding_window") and window:
         max_window = d.get("max_window_layers", num_layers)
-        types = d.get("layer_types") or [  # transformers' defaults when the file has none
-            "sliding_attention" if (i >= max_window if arch != "qwen2_moe" else
-                                    (i + 1) % 2 and i < max_window) else "full_attention"
-            for i in range(num_layers)]
+        if arch == "qwen2_moe":  # transformers' defaults when the file lists no layer types
+          sliding = lambda i: (i + 1) % 2 == 1 and i < max_window
+        else:
+          sliding = lambda i: i >= max_window
+        types = d.get("layer_types") or [
+            "sliding_attention" if sliding(i) else "full_attention" for i in range(num_layers)]
         windows = [window if t == "sliding_attention" else None for t in types]
       elif arch == "qwen3_moe" and d.get("use_sliding_window") and window:
         windows = [window] * num_layers

@@ -252,6 +252,19 @@ def test_missing_expert_tensor_names_it(tmp_path):
     load_safetensors_dir(str(tmp_path), config)
 
 
+@pytest.mark.parametrize("cls", [transformers.Qwen2MoeConfig, transformers.Qwen3MoeConfig])
+def test_sliding_windows_follow_transformers(cls):
+  """Which layers slide, from a config without `layer_types` (older files)."""
+  hf = cls(num_hidden_layers=6, use_sliding_window=True, sliding_window=32, max_window_layers=4)
+  d = {k: v for k, v in hf.to_dict().items() if k != "layer_types"}
+  if hasattr(hf, "layer_types"):  # Qwen2-MoE: every other layer below max_window_layers
+    want = tuple(32 if t == "sliding_attention" else None for t in hf.layer_types)
+    assert len(set(want)) == 2
+  else:  # Qwen3-MoE's attention takes config.sliding_window on every layer
+    want = (hf.sliding_window,) * 6
+  assert ModelConfig.from_hf_dict(d).sliding_windows == want
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
     (dict(num_experts_per_tok=9), "num_experts_per_tok <= num_experts"),
