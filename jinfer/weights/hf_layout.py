@@ -74,20 +74,20 @@ def hf_to_params(config: ModelConfig, get: Callable[[str], np.ndarray], *, dtype
 
   def stack(fetches: list[Fetch], layer_ids: list[int], prefix: tuple[str, ...] = ()) -> dict:
     """The fetched tensors of `layer_ids`, each path stacked `[len(layer_ids), ...]`, layer j
-    of the stack written straight into its slot."""
-    arrays: dict[tuple[str, ...], np.ndarray] = {}
-    for j, i in enumerate(layer_ids):
-      for fetch in fetches:
+    of the stack written straight into its slot; one fetch at a time is staged on the host."""
+    tree: dict = {}
+    for fetch in fetches:
+      arrays: dict[tuple[str, ...], np.ndarray] = {}
+      for j, i in enumerate(layer_ids):
         for path, w in fetch(i).items():
           if path not in arrays:
             arrays[path] = np.empty((len(layer_ids),) + w.shape, host)
           arrays[path][j] = w
-    tree: dict = {}
-    for path, a in arrays.items():
-      node = tree
-      for key in (prefix + path)[:-1]:
-        node = node.setdefault(key, {})
-      node[(prefix + path)[-1]] = jnp.asarray(a, dtype=dtype)
+      for path, a in arrays.items():
+        node = tree
+        for key in (prefix + path)[:-1]:
+          node = node.setdefault(key, {})
+        node[(prefix + path)[-1]] = jnp.asarray(a, dtype=dtype)
     return tree
 
   attn = plain(layer_tensors)
