@@ -3,6 +3,10 @@ mode) against the oracle, over empty groups, one group holding every row, ragged
 past the last group, and int8 weights with per-group, per-channel scales."""
 from __future__ import annotations
 
+import json
+import pathlib
+import runpy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,3 +137,20 @@ def test_bad_arguments_raise():
     grouped_matmul(x, w, gs, scale, backend="cuda")
   with pytest.raises(ValueError, match="expected"):
     grouped_matmul(x, w, gs, scale[:, :4])
+
+
+@pytest.mark.slow
+def test_device_bench_script_smoke(tmp_path):
+  """The device benchmark's grouped matmul part runs end to end (tiny shapes, the TPU kernel
+  interpreted) and every backend, float and int8, agrees with ragged_dot."""
+  script = pathlib.Path(__file__).parents[1] / "examples" / "bench_kernels_device.py"
+  main = runpy.run_path(str(script))["main"]
+  out = tmp_path / "bench.json"
+  report = main(["--smoke", "--skip", "attention", "--skip", "int8_matmul", "--out", str(out)])
+  assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+  gmm = [r for r in report["results"] if r["op"] == "grouped_matmul"]
+  assert {(r["backend"], r["mode"]) for r in gmm} == {
+      (b, m) for b in ("ragged_dot", "pallas_tpu") for m in ("float32", "w8a16", "w8a8")}
+  for r in gmm:
+    assert r["ms"] > 0 and r["max_abs_err_vs_reference"] < 1e-4
+    assert sum(r["group_sizes"]) == r["m"]
