@@ -2,12 +2,15 @@
 run under the scan): batch invariance, zero compiles after warmup, expert load in stats."""
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
 import torch
 import transformers
 
+from jinfer.bench.offline import RandomWorkload, run_offline
 from jinfer.config import ModelConfig
 from jinfer.models import param_shapes
 from jinfer.sampling_params import SamplingParams
@@ -95,6 +98,28 @@ def test_no_compiles_after_warmup(engine):
   engine.run_to_completion()
   assert counter.count == 0, f"{counter.count} compiles after warmup"
   assert sum(map(sum, engine.stats().expert_load.tokens_per_expert)) > 0
+
+
+@pytest.mark.slow
+def test_offline_benchmark_reports_the_runs_expert_load(engine, monkeypatch):
+  """The benchmark JSON's expert load is this run's: k assignments per live row per MoE layer,
+  none for padding, whatever the engine ran before."""
+  live_rows = []
+  run = engine.runner.run
+
+  def counting_run(inp):
+    live_rows.append(int(np.asarray(inp.md.cu_q_lens)[int(np.asarray(inp.md.num_seqs)[0])]))
+    return run(inp)
+
+  monkeypatch.setattr(engine.runner, "run", counting_run)
+  report = run_offline(engine, RandomWorkload(num_prompts=5, input_len_min=3, input_len_max=40,
+                                              output_len=6, seed=3))
+  load = report["expert_load"]
+  k = engine.model_config.num_experts_per_tok
+  assert load["layers"] == [1, 2]
+  assert [sum(row) for row in load["tokens_per_expert"]] == [k * sum(live_rows)] * 2
+  assert len(load["max_over_mean"]) == 2 and all(m >= 1.0 for m in load["max_over_mean"])
+  assert json.loads(json.dumps(report)) == report
 
 
 def test_dense_model_reports_no_expert_load():
