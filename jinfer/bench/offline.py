@@ -146,4 +146,6 @@ def run_offline(engine: LLMEngine, workload: RandomWorkload, *,
       "num_preemptions": after.num_preemptions - before.num_preemptions,
       "prefix_hit_rate": after.prefix_hit_rate,
       "num_steps": after.num_steps - before.num_steps,
+      "expert_load": (after.expert_load.since(before.expert_load).as_dict()
+                      if after.expert_load is not None else None),
   }

@@ -14,6 +14,7 @@ from jinfer.config import ModelConfig
 from jinfer.engine import compilation_cache
 from jinfer.engine.block_manager import BlockManager
 from jinfer.engine.engine_config import EngineConfig, default_dtype
+from jinfer.engine.expert_load import ExpertLoad
 from jinfer.engine.request import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import ScheduledBatch, Scheduler
@@ -57,6 +58,7 @@ class EngineStats:
   num_steps: int
   weight_bytes: int
   kv_cache_bytes: int
+  expert_load: ExpertLoad | None = None  # MoE models: tokens routed to each expert so far
 
 
 class LLMEngine:
@@ -127,6 +129,8 @@ class LLMEngine:
     self._seed_rng = np.random.default_rng(config.seed)
     self._ids = itertools.count()
     self.num_steps = self.prompt_tokens = self.generation_tokens = 0
+    self.expert_tokens = (np.zeros((len(model_config.moe_layer_ids), model_config.num_experts),
+                                   np.int64) if model_config.moe_layer_ids else None)
     self.warmup_seconds = (self.runner.warmup(config.enable_prompt_logprobs) if warmup
                            else 0.0)
 
@@ -228,6 +232,8 @@ class LLMEngine:
       return self._fail_batch(batch, e, self.runner.cache_resets != resets, touched)
     now = time.monotonic()
     self.num_steps += 1
+    if res.expert_load is not None:
+      self.expert_tokens += res.expert_load
     row = 0
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
       row += n
@@ -403,4 +409,6 @@ class LLMEngine:
         prefix_hit_rate=b.prefix_hits / b.prefix_queries if b.prefix_queries else 0.0,
         num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self.prompt_tokens,
         generation_tokens=self.generation_tokens, num_steps=self.num_steps,
-        weight_bytes=self.runner.weight_bytes, kv_cache_bytes=self.runner.kv_cache_bytes)
+        weight_bytes=self.runner.weight_bytes, kv_cache_bytes=self.runner.kv_cache_bytes,
+        expert_load=(None if self.expert_tokens is None else
+                     ExpertLoad.of(self.model_config.moe_layer_ids, self.expert_tokens)))

@@ -14,6 +14,7 @@ from jinfer.engine.step_input import Buckets
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.parallel.mesh import ParallelConfig
 from pallas_kernels import KVCacheSpec, default_backend
+from pallas_kernels.grouped_matmul import default_backend as default_grouped_matmul_backend
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,6 +31,7 @@ class EngineConfig:
   continuous_batching: bool = True
   attention_backend: str | None = None  # None: by platform (xla on CPU, Pallas elsewhere)
   matmul_backend: str | None = None  # int8 matmul, likewise
+  grouped_matmul_backend: str | None = None  # MoE experts' grouped matmul, likewise
   interpret: bool = False  # run Pallas kernels in interpret mode (CPU testing)
   quantization: str | None = None  # None, "int8" (W8A16) or "w8a8"; applied at load time
   # Run the layer stack under a scan (compiles in seconds) or unrolled (each matmul reads its
@@ -124,6 +126,8 @@ class EngineConfig:
   def kernel_options(self, mesh: Mesh | None = None) -> KernelOptions:
     return KernelOptions(attention=self.attention_backend or default_backend(),
                          matmul=self.matmul_backend or _default_matmul_backend(),
+                         grouped_matmul=(self.grouped_matmul_backend
+                                         or default_grouped_matmul_backend()),
                          interpret=self.interpret, quantization=self.quantization, mesh=mesh,
                          context_layout=self.context_layout)
 

@@ -37,15 +37,25 @@ class StepOutput:
   sample: SampleOutput  # one token per sequence
   hidden: jax.Array | None  # [S, E]: final hidden states of the sampled rows, when asked for
   prompt_logprobs: PromptLogprobs | None  # when the step carries prompt_logprobs requests
+  # [MoE layers, experts] int32: tokens this step routed to each expert (live rows only);
+  # None for a dense model.
+  expert_load: jax.Array | None = None
+
+
+def _expert_load(state) -> jax.Array | None:
+  load = state.get("expert_load")
+  return None if load is None else load["tokens_per_expert"][0]
 
 
 def _step(model: CausalLM, return_hidden: bool, params, kv_cache, inp: StepInput) -> tuple:
   apply = functools.partial(model.apply, {"params": params}, inp.token_ids, inp.positions,
-                            kv_cache, inp.md, return_hidden=return_hidden)
+                            kv_cache, inp.md, return_hidden=return_hidden,
+                            mutable=["expert_load"])
   if not inp.prompt_logprobs:
-    logits, hidden, kv_cache = apply(inp.logits_indices)  # [S, V]
-    return StepOutput(sample(logits, inp.sampling), hidden, None), kv_cache
-  rows, hidden, kv_cache = apply()  # [T, V]
+    (logits, hidden, kv_cache), state = apply(inp.logits_indices)  # [S, V]
+    return StepOutput(sample(logits, inp.sampling), hidden, None,
+                      _expert_load(state)), kv_cache
+  (rows, hidden, kv_cache), state = apply()  # [T, V]
   lp = jax.nn.log_softmax(rows, axis=-1)
   top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
   target = jnp.take_along_axis(lp, inp.target_ids[:, None], axis=-1)[:, 0]
@@ -53,6 +63,7 @@ def _step(model: CausalLM, return_hidden: bool, params, kv_cache, inp: StepInput
       sample(rows[inp.logits_indices], inp.sampling),
       None if hidden is None else hidden[inp.logits_indices],
       PromptLogprobs(target=target, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp),
+      _expert_load(state),
   ), kv_cache
 
 
