@@ -258,6 +258,52 @@ def test_smollm2_tensor_parallel_3(smollm2_gguf):
   assert got == want
 
 
+# -- expert parallelism -------------------------------------------------------------------------
+MOE = dataclasses.replace(CFG, architecture="qwen2_moe", num_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                          norm_topk_prob=False, moe_layers=(False, True))
+
+
+@pytest.fixture(scope="module")
+def moe_params():
+  rng = np.random.default_rng(2)
+  p = jax.tree_util.tree_map_with_path(
+      lambda path, s: (np.ones(s.shape) if path[-1].key == "scale"
+                       else rng.standard_normal(s.shape) * 0.2).astype(np.float32),
+      param_shapes(MOE))
+  p["embedding"] *= 20
+  return jax.tree.map(jnp.asarray, p)
+
+
+@pytest.mark.parametrize("options", [
+    dict(tensor_parallel_size=4, enable_expert_parallel=True),
+    pytest.param(dict(tensor_parallel_size=2, enable_expert_parallel=True, quantization="int8"),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(tensor_parallel_size=8, enable_expert_parallel=True),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(tensor_parallel_size=2), marks=pytest.mark.slow),  # experts' MLP split
+], ids=lambda o: "-".join(f"{k.split('_')[0]}{v}" for k, v in o.items()))
+def test_expert_parallel_matches_one_device(moe_params, options):
+  one = {k: v for k, v in options.items() if k == "quantization"}
+  make = lambda **o: LLMEngine.from_parts(MOE, moe_params, None, warmup=False,
+                                          config=EngineConfig(**BASE, **o))
+  want = _generate(make(**one), SHORT[:4])
+  engine = make(**options)
+  _assert_same(_generate(engine, SHORT[:4]), want)
+  experts = jax.tree.leaves(engine.runner.params["moe_layers"]["gate_up"])[0]  # [1, X, ...]
+  tp = options["tensor_parallel_size"]
+  if options.get("enable_expert_parallel"):  # whole experts, X / TP on each device
+    assert {s.data.shape for s in experts.addressable_shards} == {
+        (1, MOE.num_experts // tp) + experts.shape[2:]}
+
+
+def test_expert_parallel_needs_experts_to_divide(moe_params):
+  with pytest.raises(ValueError, match=r"number of experts \(6\) to be a multiple of 4"):
+    LLMEngine.from_parts(dataclasses.replace(MOE, num_experts=6), moe_params, None, warmup=False,
+                         config=EngineConfig(**BASE, tensor_parallel_size=4,
+                                             enable_expert_parallel=True))
+
+
 # -- two processes on loopback ----------------------------------------------------------------
 def _free_port() -> int:
   with socket.socket() as s:

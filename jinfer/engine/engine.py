@@ -114,7 +114,8 @@ class LLMEngine:
                        f"{jax.device_count()}, and data_parallel_size 1")
     run_config, mesh = model_config, None
     if par.is_parallel or devices is not None:
-      check_tensor_parallel(model_config, par.tensor_parallel_size)
+      check_tensor_parallel(model_config, par.tensor_parallel_size,
+                            par.enable_expert_parallel)
       run_config, params = duplicate_kv_heads(model_config, params, par.tensor_parallel_size)
       mesh = make_mesh(par, devices)
     if config.quantization:

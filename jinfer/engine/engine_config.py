@@ -129,7 +129,8 @@ class EngineConfig:
                          grouped_matmul=(self.grouped_matmul_backend
                                          or default_grouped_matmul_backend()),
                          interpret=self.interpret, quantization=self.quantization, mesh=mesh,
-                         context_layout=self.context_layout)
+                         context_layout=self.context_layout,
+                         expert_parallel=self.enable_expert_parallel)
 
 
 def _default_matmul_backend() -> str:

@@ -21,6 +21,7 @@ class KernelOptions:
   # jinfer/parallel/attention.py); None is one device.
   mesh: Mesh | None = None
   context_layout: str = "zigzag"  # how a step's query rows lie over the context ranks
+  expert_parallel: bool = False  # MoE experts split over the mesh's tensor axis, whole
 
   def __post_init__(self):
     if self.quantization not in QUANTIZATIONS:

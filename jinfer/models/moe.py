@@ -27,6 +27,7 @@ import numpy as np
 from jinfer.config import ModelConfig
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.models.params import LinearKernel, default_init, param
+from jinfer.parallel.experts import expert_parallel_matmul
 from jinfer.quant.qarray import QArray
 from pallas_kernels import grouped_matmul
 
@@ -52,12 +53,20 @@ class Experts(nn.Module):
     w = self.param("kernel", lambda *a: LinearKernel(init(*a), self.axes, n_in=1,
                                                      n_out=len(out_shape)), self.shape, self.dtype)
     n = int(np.prod(out_shape))
-    if isinstance(w, QArray):
-      y = grouped_matmul(x, w.values.reshape(g, k, n), group_sizes, w.scale.reshape(g, n),
-                         mode=kn.matmul_mode, backend=kn.grouped_matmul, interpret=kn.interpret)
+
+    def matmul(x, w, group_sizes):  # w: [G, K, *out] for G of the experts
+      g = group_sizes.shape[0]
+      if isinstance(w, QArray):
+        return grouped_matmul(x, w.values.reshape(g, k, n), group_sizes, w.scale.reshape(g, n),
+                              mode=kn.matmul_mode, backend=kn.grouped_matmul,
+                              interpret=kn.interpret)
+      return grouped_matmul(x, w.astype(x.dtype).reshape(g, k, n), group_sizes,
+                            backend=kn.grouped_matmul, interpret=kn.interpret)
+
+    if kn.expert_parallel and kn.mesh is not None:
+      y = expert_parallel_matmul(matmul, x, w, group_sizes, kn.mesh)
     else:
-      y = grouped_matmul(x, w.astype(x.dtype).reshape(g, k, n), group_sizes,
-                         backend=kn.grouped_matmul, interpret=kn.interpret)
+      y = matmul(x, w, group_sizes)
     return y.reshape(x.shape[:1] + out_shape)
 
 

@@ -36,10 +36,14 @@ def valid_tensor_parallel_sizes(config: ModelConfig, limit: int = 64) -> list[in
   c = config
   return [tp for tp in range(1, limit + 1)
           if c.num_heads % tp == 0 and c.intermediate_size % tp == 0 and c.vocab_size % tp == 0
+          and c.moe_intermediate_size % tp == 0
           and (c.num_kv_heads % tp == 0 or tp % c.num_kv_heads == 0)]
 
 
-def check_tensor_parallel(config: ModelConfig, tp: int):
+def check_tensor_parallel(config: ModelConfig, tp: int, expert_parallel: bool = False):
+  if expert_parallel and config.num_experts % tp:
+    raise ValueError(f"enable_expert_parallel over tensor_parallel_size={tp} needs the number "
+                     f"of experts ({config.num_experts}) to be a multiple of {tp}")
   if tp not in valid_tensor_parallel_sizes(config, max(tp, 64)):
     raise ValueError(
         f"tensor_parallel_size={tp} does not fit this model ({config.num_heads} query heads, "
