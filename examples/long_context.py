@@ -166,6 +166,11 @@ def perplexity_buckets(logprobs: list[float], n_buckets: int) -> list[dict]:
   return out
 
 
+def _progress(msg: str) -> None:
+  # stderr, so that stdout stays one JSON object.
+  print(msg, file=sys.stderr, flush=True)
+
+
 def run_engine(args, cp: int, trials: list[dict], ppl_ids: list[int], max_model_len: int) -> dict:
   from jinfer import LLM
   t0 = time.perf_counter()
@@ -179,12 +184,16 @@ def run_engine(args, cp: int, trials: list[dict], ppl_ids: list[int], max_model_
             # runs in full, so each length's timing and logprobs come from its own prefill.
             enable_prompt_logprobs=True, enable_prefix_caching=False, warmup=args.warmup)
   engine_s = time.perf_counter() - t0
+  _progress(f"CP={cp} engine ready ({engine_s:.1f} s)")
   needle, needle_s = [], {}
   for length in args.lengths:
     group = [t for t in trials if t["length"] == length]
     res, needle_s[length] = run_needles(llm, group, args.answer_tokens)
     needle += res
+    _progress(f"CP={cp} length {length}: {sum(r['found'] for r in res)}/{len(res)} found "
+              f"({needle_s[length]:.1f} s)")
   logprobs, ppl_s = run_perplexity(llm, ppl_ids)
+  _progress(f"CP={cp} perplexity over {len(ppl_ids)} tokens ({ppl_s:.1f} s)")
   llm.engine.close()
   del llm
   gc.collect()

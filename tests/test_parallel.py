@@ -66,7 +66,7 @@ def _ragged_batch(rng, cp: int, hq: int, hkv: int, d: int = 16, ps: int = 8, t: 
 
 
 @pytest.mark.parametrize("cp,tp,layout", [
-    (2, 2, "zigzag"), (4, 1, "plain"),
+    (2, 2, "zigzag"), pytest.param(4, 1, "plain", marks=pytest.mark.slow),
     pytest.param(8, 1, "zigzag", marks=pytest.mark.slow),
     pytest.param(4, 2, "zigzag", marks=pytest.mark.slow),
     pytest.param(2, 4, "plain", marks=pytest.mark.slow)])
@@ -157,7 +157,7 @@ def _assert_same(got, want):
     dict(tensor_parallel_size=2),
     pytest.param(dict(tensor_parallel_size=4), marks=pytest.mark.slow),
     pytest.param(dict(tensor_parallel_size=8), marks=pytest.mark.slow),  # KV heads x4
-    dict(data_parallel_size=2),
+    pytest.param(dict(data_parallel_size=2), marks=pytest.mark.slow),  # quick: the async test
     pytest.param(dict(tensor_parallel_size=2, data_parallel_size=2), marks=pytest.mark.slow),
     dict(tensor_parallel_size=2, context_parallel_size=2, context_layout="plain"),
 ], ids=lambda o: "-".join(f"{k.split('_')[0]}{v}" for k, v in o.items()))
@@ -227,11 +227,31 @@ def test_data_parallel_routes_by_prefix_and_load(params):
   assert engine.stats().num_running == 0 and not engine.has_unfinished_requests()
 
 
+def test_async_engine_serves_data_parallel_ranks(params, reference):
+  """The server's engine loop drives the DP front end like one engine."""
+  import asyncio
+  from jinfer.engine.async_engine import AsyncLLMEngine, collect
+  engine = _engine(params, data_parallel_size=2)
+
+  async def main():
+    aeng = AsyncLLMEngine(engine)
+    aeng.start()
+    try:
+      sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+      return await asyncio.gather(*(collect(aeng.generate(p, sp)) for p in SHORT))
+    finally:
+      await aeng.shutdown()
+
+  outs = asyncio.run(main())
+  _assert_same([o.outputs[0] for o in outs], reference)
+  assert all(e.blocks.num_free_pages == e.blocks.num_usable_pages for e in engine.engines)
+
+
 def test_tensor_parallel_size_that_does_not_divide():
   smol = dataclasses.replace(CFG, vocab_size=49152, hidden_size=576, intermediate_size=1536,
                              num_heads=9, num_kv_heads=3, head_dim=64)  # SmolLM2-135M's shapes
   assert sharding.valid_tensor_parallel_sizes(smol, 8) == [1, 3]
-  with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .* 9 query heads.*valid sizes: "
+  with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*9 query heads.*valid sizes: "
                                        r"1, 3$"):
     sharding.check_tensor_parallel(smol, 2)
 
