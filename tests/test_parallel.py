@@ -129,7 +129,7 @@ def _generate(engine, prompts, max_tokens=6):
 
 
 def _engine(params, warmup=False, **options):
-  config = EngineConfig(**BASE, **options)
+  config = EngineConfig(**{**BASE, **options})
   cls = DataParallelEngine if config.data_parallel_size > 1 else LLMEngine
   return cls.from_parts(CFG, params, None, config=config, warmup=warmup)
 
