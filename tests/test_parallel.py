@@ -65,16 +65,19 @@ def _ragged_batch(rng, cp: int, hq: int, hkv: int, d: int = 16, ps: int = 8, t: 
   return q, k, v, cache, md
 
 
-@pytest.mark.parametrize("cp,tp,layout", [
-    (2, 2, "zigzag"), pytest.param(4, 1, "plain", marks=pytest.mark.slow),
-    pytest.param(8, 1, "zigzag", marks=pytest.mark.slow),
-    pytest.param(4, 2, "zigzag", marks=pytest.mark.slow),
-    pytest.param(2, 4, "plain", marks=pytest.mark.slow)])
-def test_ring_attention_matches_one_device(cp, tp, layout):
+@pytest.mark.parametrize("cp,tp,layout,backend", [
+    (2, 2, "zigzag", "xla"), pytest.param(4, 1, "plain", "xla", marks=pytest.mark.slow),
+    pytest.param(8, 1, "zigzag", "xla", marks=pytest.mark.slow),
+    pytest.param(4, 2, "zigzag", "xla", marks=pytest.mark.slow),
+    pytest.param(2, 4, "plain", "xla", marks=pytest.mark.slow),
+    # The Pallas kernels run per shard too (interpreted here).
+    pytest.param(2, 2, "zigzag", "pallas_tpu", marks=pytest.mark.slow),
+    pytest.param(2, 1, "plain", "pallas_gpu", marks=pytest.mark.slow)])
+def test_ring_attention_matches_one_device(cp, tp, layout, backend):
   """Random ragged batches: the ring's output and written cache equal one device's."""
   mesh = make_mesh(ParallelConfig(tensor_parallel_size=tp, context_parallel_size=cp))
-  kw = dict(layer=jnp.int32(0), sliding_window=None, sm_scale=0.25, backend="xla",
-            interpret=False)
+  kw = dict(layer=jnp.int32(0), sliding_window=None, sm_scale=0.25, backend=backend,
+            interpret=backend != "xla")
   one = jax.jit(lambda q, k, v, c, md: paged_attention(q, k, v, c, md, **kw))
   ring = jax.jit(lambda q, k, v, c, md: paged_attention(q, k, v, c, md, mesh=mesh,
                                                          context_layout=layout, **kw))
