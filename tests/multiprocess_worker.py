@@ -17,7 +17,7 @@ jax.config.update("jax_num_cpu_devices", ndev)
 from jinfer import LLM, SamplingParams  # noqa: E402  (after the device count is set)
 
 llm = LLM(model, skip_tokenizer_init=True, coordinator_address=f"127.0.0.1:{port}",
-          num_processes=2, process_id=pid, **spec["options"])
+          num_processes=2, process_id=pid, warmup=False, **spec["options"])
 if llm.is_leader:
   print("generating", file=sys.stderr, flush=True)
   outs = [o.outputs[0] for o in llm.generate(
