@@ -299,7 +299,8 @@ def moe_params():
 
 
 @pytest.mark.parametrize("options", [
-    dict(tensor_parallel_size=4, enable_expert_parallel=True),
+    pytest.param(dict(tensor_parallel_size=4, enable_expert_parallel=True),
+                 marks=pytest.mark.slow),
     pytest.param(dict(tensor_parallel_size=2, enable_expert_parallel=True, quantization="int8"),
                  marks=pytest.mark.slow),
     pytest.param(dict(tensor_parallel_size=8, enable_expert_parallel=True),
