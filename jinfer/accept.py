@@ -54,12 +54,19 @@ class DraftProbs:
 
 
 @struct.dataclass
+class Drafts:
+  """A device proposer's guesses, handed to the verify step without leaving the device."""
+  tokens: jax.Array  # [S, K] int32
+  probs: DraftProbs
+
+
+@struct.dataclass
 class VerifyOutput:
   sample: SampleOutput  # every field [S, K+1, ...]: d_1..d_a, then the target's token
   num_accepted: jax.Array  # [S] int32: a; the sequence gains a + 1 tokens
 
 
-def _row_tensors(st: SamplingTensors, vt: VerifyTensors, with_history: bool) -> SamplingTensors:
+def row_tensors(st: SamplingTensors, vt: VerifyTensors, with_history: bool) -> SamplingTensors:
   """Per logits row, its sequence's sampling tensors as of the row's position."""
   r, depth = vt.row_seq, vt.row_depth
   # Without penalties the history is never read: a one-column stand-in spares the gather.
@@ -91,9 +98,9 @@ def accept(logits: jax.Array, st: SamplingTensors, vt: VerifyTensors,
   draft None when the proposer's q is one-hot on its tokens (n-gram lookup)."""
   num_rows, v = logits.shape
   s, k = vt.draft_tokens.shape
-  rst = _row_tensors(st, vt, with_history=False)
+  rst = row_tensors(st, vt, with_history=False)
   x = jax.lax.cond(any_penalty(st),
-                   lambda l: penalize(l, _row_tensors(st, vt, with_history=True)),
+                   lambda l: penalize(l, row_tensors(st, vt, with_history=True)),
                    lambda l: l, logits)
   x = ban(x, rst.banned)  # [R, V]
   greedy = _argmax(x)  # [R]

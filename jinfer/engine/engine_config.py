@@ -11,6 +11,7 @@ from jinfer.config import ModelConfig
 from jinfer.engine.scheduler import SchedulerConfig
 from jinfer.engine.step_input import Buckets
 from jinfer.models.kernel_options import KernelOptions
+from jinfer.spec.config import SpeculativeConfig
 from pallas_kernels import KVCacheSpec, default_backend
 
 
@@ -40,8 +41,13 @@ class EngineConfig:
   # so the next process with the same model and options compiles nothing.
   compilation_cache: bool = True
   seed: int = 0  # seeds requests that bring none
+  # Speculative decoding (`SpeculativeConfig`, or its dict or JSON form); None: off.
+  speculative_config: SpeculativeConfig | dict | str | None = None
 
   def __post_init__(self):
+    if self.speculative_config is not None:
+      object.__setattr__(self, "speculative_config",
+                         SpeculativeConfig.parse(self.speculative_config))
     for name in ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens",
                  "max_prefill_seqs"):
       if getattr(self, name) < 1:
@@ -85,7 +91,13 @@ class EngineConfig:
     return Buckets(max_num_seqs=self.max_num_seqs,
                    max_num_batched_tokens=self.max_num_batched_tokens,
                    max_prefill_seqs=self.max_prefill_seqs,
-                   max_pages_per_seq=self.max_pages_per_seq, max_model_len=self.max_model_len)
+                   max_pages_per_seq=self.max_pages_per_seq, max_model_len=self.max_model_len,
+                   num_speculative_tokens=self.num_speculative_tokens)
+
+  @property
+  def num_speculative_tokens(self) -> int:
+    spec = self.speculative_config
+    return 0 if spec is None else spec.num_speculative_tokens
 
   def kv_spec(self, model: ModelConfig, dtype) -> KVCacheSpec:
     return KVCacheSpec(num_layers=model.num_layers, num_pages=self.resolved_num_pages(),

@@ -4,12 +4,14 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jinfer.accept import Drafts, accept
 from jinfer.config import ModelConfig
 from jinfer.engine import compilation_cache
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
@@ -32,23 +34,37 @@ class PromptLogprobs:
 
 @struct.dataclass
 class StepOutput:
-  sample: SampleOutput  # one token per sequence
-  hidden: jax.Array | None  # [S, E]: final hidden states of the sampled rows, when asked for
+  # One token per sequence ([S]); a verify step's fields are [S, K+1]: the accepted drafts, then
+  # the target's token.
+  sample: SampleOutput
+  num_accepted: jax.Array | None  # [S] int32, verify steps only
+  hidden: jax.Array | None  # [S or R, E]: final hidden states of the logits rows, when asked for
   prompt_logprobs: PromptLogprobs | None  # when the step carries prompt_logprobs requests
 
 
-def _step(model: CausalLM, return_hidden: bool, params, kv_cache, inp: StepInput) -> tuple:
-  apply = functools.partial(model.apply, {"params": params}, inp.token_ids, inp.positions,
+def _step(model: CausalLM, return_hidden: bool, params, kv_cache, inp: StepInput,
+          drafts: Drafts | None) -> tuple:
+  token_ids = inp.token_ids
+  if drafts is not None:  # a device proposer's tokens take their verify rows
+    token_ids = token_ids.at[inp.verify.draft_rows].set(drafts.tokens, mode="drop")
+  apply = functools.partial(model.apply, {"params": params}, token_ids, inp.positions,
                             kv_cache, inp.md, return_hidden=return_hidden)
+  if inp.verify is not None:
+    vt = inp.verify.tensors
+    if drafts is not None:
+      vt = vt.replace(draft_tokens=drafts.tokens)
+    logits, hidden, kv_cache = apply(inp.verify.logits_rows)  # [R, V]
+    out = accept(logits, inp.sampling, vt, None if drafts is None else drafts.probs)
+    return StepOutput(out.sample, out.num_accepted, hidden, None), kv_cache
   if not inp.prompt_logprobs:
     logits, hidden, kv_cache = apply(inp.logits_indices)  # [S, V]
-    return StepOutput(sample(logits, inp.sampling), hidden, None), kv_cache
+    return StepOutput(sample(logits, inp.sampling), None, hidden, None), kv_cache
   rows, hidden, kv_cache = apply()  # [T, V]
   lp = jax.nn.log_softmax(rows, axis=-1)
   top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
   target = jnp.take_along_axis(lp, inp.target_ids[:, None], axis=-1)[:, 0]
   return StepOutput(
-      sample(rows[inp.logits_indices], inp.sampling),
+      sample(rows[inp.logits_indices], inp.sampling), None,
       None if hidden is None else hidden[inp.logits_indices],
       PromptLogprobs(target=target, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp),
   ), kv_cache
@@ -68,27 +84,29 @@ class ModelRunner:
     # The cache is donated: XLA updates it in place instead of copying it every step.
     self._step = jax.jit(functools.partial(_step, self.model, return_hidden),
                          donate_argnums=(1,))
-    self._shapes_run: set[tuple[int, bool]] = set()
+    self._shapes_run: set[tuple[int, bool, bool]] = set()
 
-  def run(self, inp: StepInput) -> StepOutput:
-    shape = (inp.token_ids.shape[0], inp.prompt_logprobs)
+  def run(self, inp: StepInput, drafts: Drafts | None = None) -> StepOutput:
+    """`drafts`: a device proposer's tokens for a verify step's draft rows (n-gram drafts are
+    in `inp` already)."""
+    shape = (inp.token_ids.shape[0], inp.prompt_logprobs, inp.verify is not None)
     if shape in self._shapes_run:
-      return self._run(inp)
+      return self._run(inp, drafts)
     # A shape's first run compiles it (or loads it from the persistent cache): say so, since it
     # takes seconds.
-    log.info("compiling the %d-token step%s (kept in the compilation cache) ...", shape[0],
-             " with prompt logprobs" if shape[1] else "")
+    what = " with prompt logprobs" if shape[1] else " verify" if shape[2] else ""
+    log.info("compiling the %d-token%s step (kept in the compilation cache) ...", shape[0], what)
     t0, hits = time.monotonic(), compilation_cache.cache_hits()
-    out = self._run(inp)
+    out = self._run(inp, drafts)
     self._shapes_run.add(shape)
-    log.info("%d-token step %s in %.1f s", shape[0], "compiled" if hits ==
+    log.info("%d-token%s step %s in %.1f s", shape[0], what, "compiled" if hits ==
              compilation_cache.cache_hits() else "loaded from the compilation cache",
              time.monotonic() - t0)
     return out
 
-  def _run(self, inp: StepInput) -> StepOutput:
+  def _run(self, inp: StepInput, drafts: Drafts | None) -> StepOutput:
     try:
-      out, self.kv_cache = self._step(self.params, self.kv_cache, inp)
+      out, self.kv_cache = self._step(self.params, self.kv_cache, inp, drafts)
     except Exception:
       # The cache was donated to the failed call: if XLA consumed it, start from an empty one
       # (the caller must then treat every cached token as gone).
@@ -98,11 +116,15 @@ class ModelRunner:
       raise
     return jax.tree.map(np.asarray, out)
 
-  def warmup(self, with_prompt_logprobs: bool = False) -> float:
-    """Compile every bucket by running an all-padding step of each shape; returns seconds."""
+  def warmup(self, with_prompt_logprobs: bool = False,
+             empty_drafts: Callable[[int], Drafts | None] = lambda s: None) -> float:
+    """Compile every bucket by running an all-padding step of each shape; returns seconds.
+    `empty_drafts(S)`: stand-in device drafts for verify steps, when a device proposer has them."""
     t0 = time.monotonic()
-    for t, prompt_lp in self.buckets.shapes(with_prompt_logprobs):
-      self.run(to_step_input(empty_step_input(self.buckets, t, prompt_lp), self.buckets))
+    b = self.buckets
+    for t, prompt_lp, verify in b.shapes(with_prompt_logprobs):
+      self.run(to_step_input(empty_step_input(b, t, prompt_lp, verify), b),
+               empty_drafts(b.num_seqs(t)) if verify else None)
     return time.monotonic() - t0
 
   @property
