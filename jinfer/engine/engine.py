@@ -372,7 +372,7 @@ class LLMEngine:
     seq.mark_token_time(now)
     if p.logprobs is not None:
       entry = {token: float(out.logprobs[row])}
-      for tid, lp in zip(out.top_ids[row, :p.logprobs], out.top_logprobs[row, :p.logprobs]):
+      for tid, lp in zip(out.top_ids[row][:p.logprobs], out.top_logprobs[row][:p.logprobs]):
         entry.setdefault(int(tid), float(lp))
       seq.output_logprobs.append(entry)
     n_out = len(seq.output_token_ids)

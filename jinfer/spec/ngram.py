@@ -14,7 +14,8 @@ from jinfer.spec.proposer import Proposer
 
 
 def lookup(tokens: np.ndarray, lo: int, hi: int, k: int) -> np.ndarray:
-  """Up to k tokens following the latest earlier occurrence of the longest matching suffix."""
+  """k tokens following the latest earlier occurrence of the longest matching suffix (none if no
+  suffix of at least `lo` tokens recurs)."""
   last = len(tokens) - 1
   ends = np.nonzero(tokens[:last] == tokens[last])[0]  # [C] where a match of length 1 ends
   if len(ends) == 0:
@@ -29,7 +30,9 @@ def lookup(tokens: np.ndarray, lo: int, hi: int, k: int) -> np.ndarray:
   if best < lo:
     return tokens[:0]
   end = ends[length == best][-1]
-  return tokens[end + 1:end + 1 + k]
+  # What followed the match runs into the present: past that, the guess copies itself (a
+  # repeating pattern goes on repeating), as LZ77's overlapping copies do.
+  return np.resize(tokens[end + 1:], k)
 
 
 class NgramProposer(Proposer):
