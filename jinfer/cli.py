@@ -100,7 +100,8 @@ def cmd_serve(args):
   from jinfer.engine.engine_config import EngineConfig
   from jinfer.serving.server import serve
   config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        speculative_config=args.speculative_config)
   options = ServerOptions(
       host=args.host, port=args.port, api_key=args.api_key,
       allowed_hosts=tuple(args.allowed_hosts), allowed_origins=tuple(args.allowed_origins),
@@ -185,6 +186,9 @@ def main(argv: list[str] | None = None):
   p.add_argument("--max-model-len", type=int, default=2048)
   p.add_argument("--max-num-seqs", type=int, default=64)
   p.add_argument("--max-num-batched-tokens", type=int, default=512)
+  p.add_argument("--speculative-config", default=None, metavar="JSON",
+                 help='speculative decoding, e.g. \'{"method": "ngram", '
+                      '"num_speculative_tokens": 4}\' (see README)')
   p.add_argument("--max-waiting", type=int, default=serving.max_waiting,
                  help="sequences waiting to be scheduled beyond which requests get 429")
   p.add_argument("--shutdown-timeout", type=float, default=serving.shutdown_timeout,

@@ -49,6 +49,17 @@ class SpecStats:
     return dataclasses.replace(self, drafted_per_position=list(self.drafted_per_position),
                                accepted_per_position=list(self.accepted_per_position))
 
+  def since(self, earlier: "SpecStats") -> "SpecStats":
+    """The counts accumulated after `earlier` (a copy taken before)."""
+    diff = {f.name: getattr(self, f.name) - getattr(earlier, f.name)
+            for f in dataclasses.fields(self) if f.name not in (
+                "num_speculative_tokens", "drafted_per_position", "accepted_per_position")}
+    return SpecStats(self.num_speculative_tokens, **diff,
+                     drafted_per_position=[a - b for a, b in zip(self.drafted_per_position,
+                                                                 earlier.drafted_per_position)],
+                     accepted_per_position=[a - b for a, b in zip(self.accepted_per_position,
+                                                                  earlier.accepted_per_position)])
+
   @property
   def acceptance_rate(self) -> float:
     """Accepted drafts / verified drafts."""
