@@ -4,7 +4,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import numbers
+import os
 from typing import Any
+
+from jinfer.weights.builtin import is_builtin
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -46,6 +49,10 @@ class SpeculativeConfig:
       if not isinstance(self.model, str) or not self.model:
         raise ValueError("speculative_config: method 'draft_model' needs model, the draft's "
                          "path or built-in name")
+      if not (is_builtin(self.model) or os.path.isdir(self.model)
+              or (os.path.isfile(self.model) and self.model.endswith(".gguf"))):
+        raise ValueError(f"speculative_config: model {self.model!r} is not a built-in name, a "
+                         f"directory (a draft checkpoint or HF model) or a .gguf file")
       for name in ("prompt_lookup_min", "prompt_lookup_max"):
         if getattr(self, name) is not None:
           raise ValueError(f"speculative_config: {name} is for method 'ngram'")
