@@ -107,6 +107,7 @@ def cmd_soft_labels(args):
   """Top-20 teacher log-probabilities of the next token at every position of --data."""
   from jinfer import LLM, SamplingParams
   seqs, _ = load_seqs(_path(args, f"{args.data}.npz"))
+  seqs = seqs[:args.num_seqs]  # the first ones: `train --method kd` trains on those
   llm = LLM(TEACHER, max_model_len=max(map(len, seqs)) + 16, max_num_seqs=16,
             enable_prompt_logprobs=True)
   ids, lps = [], []
@@ -132,16 +133,21 @@ def cmd_train(args):
   from jinfer.weights.loader import load_model
 
   seqs, starts = load_seqs(_path(args, f"{args.data}.npz"))
-  soft = None
-  if args.method == "kd":
-    d = np.load(_path(args, f"{args.data}_soft.npz"))
-    cut = np.cumsum([len(s) - 1 for s in seqs])[:-1]
-    soft = list(zip(np.split(d["ids"], cut), np.split(d["logprobs"], cut)))
-  val_seqs, val_starts = load_seqs(_path(args, "eval.npz"))
   config, params, tok = load_model(TEACHER)
+  # The vocabulary comes from the whole data set, whatever part of it is trained on.
   trained = np.concatenate([s[st:] for s, st in zip(seqs, starts)])
   vocab = draft_vocab(np.bincount(trained, minlength=config.vocab_size), args.draft_vocab_size,
                       always=tuple(tok.eos_token_ids))
+  soft = None
+  if args.method == "kd":
+    d = np.load(_path(args, f"{args.data}_soft.npz"))
+    ends = np.cumsum([len(s) - 1 for s in seqs])
+    soft = list(zip(np.split(d["ids"], ends[:-1]), np.split(d["logprobs"], ends[:-1])))
+    # Soft labels may cover only the first sequences (soft-labels --num-seqs).
+    covered = int(np.searchsorted(ends, len(d["ids"]), side="right"))
+    seqs, starts, soft = seqs[:covered], starts[:covered], soft[:covered]
+    log.info("KD on the %d sequences with soft labels", covered)
+  val_seqs, val_starts = load_seqs(_path(args, "eval.npz"))
   cover = np.isin(np.concatenate([s[st:] for s, st in zip(val_seqs, val_starts)]), vocab).mean()
   log.info("vocabulary %d: %.1f%% of held-out answer tokens", len(vocab), 100 * cover)
   layers = tuple(int(x) for x in args.layers.split(","))
@@ -227,6 +233,7 @@ def main():
   p.set_defaults(fn=cmd_corpus)
   p = sub.add_parser("soft-labels", help=cmd_soft_labels.__doc__)
   p.add_argument("--data", default="pydoc", help="train, eval or pydoc")
+  p.add_argument("--num-seqs", type=int, default=None, help="label only the first N sequences")
   p.set_defaults(fn=cmd_soft_labels)
   p = sub.add_parser("train", help="train a draft (see above)")
   p.add_argument("--method", choices=("seqkd", "kd"), required=True)
