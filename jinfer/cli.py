@@ -103,6 +103,7 @@ def cmd_serve(args):
   from jinfer.parallel.distributed import DistributedConfig
   config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
+                        speculative_config=args.speculative_config,
                         **_parallel_options(args))
   dist = DistributedConfig(coordinator_address=args.coordinator_address,
                            num_processes=args.num_processes, process_id=args.process_id)
@@ -218,6 +219,9 @@ def main(argv: list[str] | None = None):
   p.add_argument("--max-model-len", type=int, default=2048)
   p.add_argument("--max-num-seqs", type=int, default=64)
   p.add_argument("--max-num-batched-tokens", type=int, default=512)
+  p.add_argument("--speculative-config", default=None, metavar="JSON",
+                 help='speculative decoding, e.g. \'{"method": "ngram", '
+                      '"num_speculative_tokens": 4}\' (see README)')
   p.add_argument("--max-waiting", type=int, default=serving.max_waiting,
                  help="sequences waiting to be scheduled beyond which requests get 429")
   p.add_argument("--shutdown-timeout", type=float, default=serving.shutdown_timeout,

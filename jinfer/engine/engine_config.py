@@ -13,6 +13,7 @@ from jinfer.engine.scheduler import SchedulerConfig
 from jinfer.engine.step_input import Buckets
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.parallel.mesh import ParallelConfig
+from jinfer.spec.config import SpeculativeConfig
 from pallas_kernels import KVCacheSpec, default_backend
 from pallas_kernels.grouped_matmul import default_backend as default_grouped_matmul_backend
 
@@ -53,8 +54,13 @@ class EngineConfig:
   data_parallel_size: int = 1
   enable_expert_parallel: bool = False
   context_layout: str = "zigzag"  # or "plain": how a step's rows lie over the context ranks
+  # Speculative decoding (`SpeculativeConfig`, or its dict or JSON form); None: off.
+  speculative_config: SpeculativeConfig | dict | str | None = None
 
   def __post_init__(self):
+    if self.speculative_config is not None:
+      object.__setattr__(self, "speculative_config",
+                         SpeculativeConfig.parse(self.speculative_config))
     for name in ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens",
                  "max_prefill_seqs"):
       if getattr(self, name) < 1:
@@ -116,7 +122,13 @@ class EngineConfig:
                    max_num_batched_tokens=self.max_num_batched_tokens,
                    max_prefill_seqs=self.max_prefill_seqs,
                    max_pages_per_seq=self.max_pages_per_seq, max_model_len=self.max_model_len,
-                   smallest_bucket=max(8, 2 * self.context_parallel_size))
+                   smallest_bucket=max(8, 2 * self.context_parallel_size),
+                   num_speculative_tokens=self.num_speculative_tokens)
+
+  @property
+  def num_speculative_tokens(self) -> int:
+    spec = self.speculative_config
+    return 0 if spec is None else spec.num_speculative_tokens
 
   def kv_spec(self, model: ModelConfig, dtype) -> KVCacheSpec:
     return KVCacheSpec(num_layers=model.num_layers, num_pages=self.resolved_num_pages(),

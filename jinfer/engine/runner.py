@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jinfer.accept import Drafts, accept
 from jinfer.config import ModelConfig
 from jinfer.engine import compilation_cache
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
@@ -34,8 +36,11 @@ class PromptLogprobs:
 
 @struct.dataclass
 class StepOutput:
-  sample: SampleOutput  # one token per sequence
-  hidden: jax.Array | None  # [S, E]: final hidden states of the sampled rows, when asked for
+  # One token per sequence ([S]); a verify step's fields are [S, K+1]: the accepted drafts, then
+  # the target's token.
+  sample: SampleOutput
+  num_accepted: jax.Array | None  # [S] int32, verify steps only
+  hidden: jax.Array | None  # [S or R, E]: final hidden states of the logits rows, when asked for
   prompt_logprobs: PromptLogprobs | None  # when the step carries prompt_logprobs requests
   # [MoE layers, experts] int32: tokens this step routed to each expert (live rows only);
   # None for a dense model.
@@ -47,20 +52,32 @@ def _expert_load(state) -> jax.Array | None:
   return None if load is None else load["tokens_per_expert"][0]
 
 
-def _step(model: CausalLM, return_hidden: bool, params, kv_cache, inp: StepInput) -> tuple:
-  apply = functools.partial(model.apply, {"params": params}, inp.token_ids, inp.positions,
+def _step(model: CausalLM, return_hidden: bool, params, kv_cache, inp: StepInput,
+          drafts: Drafts | None) -> tuple:
+  token_ids = inp.token_ids
+  if drafts is not None:  # a device proposer's tokens take their verify rows
+    token_ids = token_ids.at[inp.verify.draft_rows].set(drafts.tokens, mode="drop")
+  apply = functools.partial(model.apply, {"params": params}, token_ids, inp.positions,
                             kv_cache, inp.md, return_hidden=return_hidden,
                             mutable=["expert_load"])
+  if inp.verify is not None:
+    vt = inp.verify.tensors
+    if drafts is not None:
+      vt = vt.replace(draft_tokens=drafts.tokens)
+    (logits, hidden, kv_cache), state = apply(inp.verify.logits_rows)  # [R, V]
+    out = accept(logits, inp.sampling, vt, None if drafts is None else drafts.probs)
+    return StepOutput(out.sample, out.num_accepted, hidden, None,
+                      _expert_load(state)), kv_cache
   if not inp.prompt_logprobs:
     (logits, hidden, kv_cache), state = apply(inp.logits_indices)  # [S, V]
-    return StepOutput(sample(logits, inp.sampling), hidden, None,
+    return StepOutput(sample(logits, inp.sampling), None, hidden, None,
                       _expert_load(state)), kv_cache
   (rows, hidden, kv_cache), state = apply()  # [T, V]
   lp = jax.nn.log_softmax(rows, axis=-1)
   top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
   target = jnp.take_along_axis(lp, inp.target_ids[:, None], axis=-1)[:, 0]
   return StepOutput(
-      sample(rows[inp.logits_indices], inp.sampling),
+      sample(rows[inp.logits_indices], inp.sampling), None,
       None if hidden is None else hidden[inp.logits_indices],
       PromptLogprobs(target=target, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp),
       _expert_load(state),
@@ -92,33 +109,37 @@ class ModelRunner:
     # The cache is donated: XLA updates it in place instead of copying it every step.
     self._step = jax.jit(functools.partial(_step, self.model, return_hidden),
                          donate_argnums=(1,), out_shardings=out_shardings)
-    self._shapes_run: set[tuple[int, bool]] = set()
+    self._shapes_run: set[tuple[int, bool, bool]] = set()
     # Several processes (jinfer/parallel/distributed.py): process 0 announces each step by its
     # index in this list of every step shape, then sends its input.
     self._multiprocess = jax.process_count() > 1
     self._variants = buckets.shapes(True)
 
-  def run(self, inp: StepInput) -> StepOutput:
-    shape = (inp.token_ids.shape[0], inp.prompt_logprobs)
+  def run(self, inp: StepInput, drafts: Drafts | None = None) -> StepOutput:
+    """`drafts`: a device proposer's tokens for a verify step's draft rows (n-gram drafts are
+    in `inp` already)."""
+    shape = (inp.token_ids.shape[0], inp.prompt_logprobs, inp.verify is not None)
     if self._multiprocess:  # the other processes run the same step on their devices
+      if drafts is not None:
+        raise ValueError("a draft model's proposals cannot be sent to other processes yet")
       self._announce(self._variants.index(shape), inp)
     if shape in self._shapes_run:
-      return self._run(inp)
+      return self._run(inp, drafts)
     # A shape's first run compiles it (or loads it from the persistent cache): say so, since it
     # takes seconds.
-    log.info("compiling the %d-token step%s (kept in the compilation cache) ...", shape[0],
-             " with prompt logprobs" if shape[1] else "")
+    what = " with prompt logprobs" if shape[1] else " verify" if shape[2] else ""
+    log.info("compiling the %d-token%s step (kept in the compilation cache) ...", shape[0], what)
     t0, hits = time.monotonic(), compilation_cache.cache_hits()
-    out = self._run(inp)
+    out = self._run(inp, drafts)
     self._shapes_run.add(shape)
-    log.info("%d-token step %s in %.1f s", shape[0], "compiled" if hits ==
+    log.info("%d-token%s step %s in %.1f s", shape[0], what, "compiled" if hits ==
              compilation_cache.cache_hits() else "loaded from the compilation cache",
              time.monotonic() - t0)
     return out
 
-  def _run(self, inp: StepInput) -> StepOutput:
+  def _run(self, inp: StepInput, drafts: Drafts | None) -> StepOutput:
     try:
-      out, self.kv_cache = self._step(self.params, self.kv_cache, inp)
+      out, self.kv_cache = self._step(self.params, self.kv_cache, inp, drafts)
     except Exception:
       # The cache was donated to the failed call: if XLA consumed it, start from an empty one
       # (the caller must then treat every cached token as gone).
@@ -139,11 +160,12 @@ class ModelRunner:
       (variant,) = distributed.broadcast(np.zeros(1, np.int32), is_source=False)
       if variant < 0:
         return
-      t, prompt_lp = self._variants[variant]
-      template = to_step_input(empty_step_input(self.buckets, t, prompt_lp), self.buckets)
+      t, prompt_lp, verify = self._variants[variant]
+      template = to_step_input(empty_step_input(self.buckets, t, prompt_lp, verify),
+                               self.buckets)
       inp = distributed.broadcast(template, is_source=False)
       try:
-        self._run(inp)
+        self._run(inp, None)
       except Exception:  # the leader's step failed too, and it decides what happens next
         log.exception("a step failed")
 
@@ -153,11 +175,15 @@ class ModelRunner:
       self._announce(-1)
       self._multiprocess = False
 
-  def warmup(self, with_prompt_logprobs: bool = False) -> float:
-    """Compile every bucket by running an all-padding step of each shape; returns seconds."""
+  def warmup(self, with_prompt_logprobs: bool = False,
+             empty_drafts: Callable[[int], Drafts | None] = lambda s: None) -> float:
+    """Compile every bucket by running an all-padding step of each shape; returns seconds.
+    `empty_drafts(S)`: stand-in device drafts for verify steps, when a device proposer has them."""
     t0 = time.monotonic()
-    for t, prompt_lp in self.buckets.shapes(with_prompt_logprobs):
-      self.run(to_step_input(empty_step_input(self.buckets, t, prompt_lp), self.buckets))
+    b = self.buckets
+    for t, prompt_lp, verify in b.shapes(with_prompt_logprobs):
+      self.run(to_step_input(empty_step_input(b, t, prompt_lp, verify), b),
+               empty_drafts(b.num_seqs(t)) if verify else None)
     return time.monotonic() - t0
 
   @property
