@@ -186,11 +186,11 @@ def test_a_failing_step_fails_its_batch_and_the_loop_goes_on(engine):
   runner_run = engine.runner.run
   calls = []
 
-  def failing_run(inp):
+  def failing_run(inp, drafts=None):
     calls.append(1)
     if len(calls) == 2:
       raise RuntimeError("injected step failure")
-    return runner_run(inp)
+    return runner_run(inp, drafts)
 
   async def body(aeng):
     engine.runner.run = failing_run

@@ -7,6 +7,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from jinfer.sampling_params import SamplingParams
 from jinfer.spec.distill import (DistillConfig, Trainer, draft_vocab, init_draft,
@@ -15,6 +16,7 @@ from jinfer.spec.draft_checkpoint import load_draft, save_draft
 from tests.engine_fixtures import make_engine
 
 
+@pytest.mark.slow  # ~2 min: a few training steps, then an engine with the saved draft
 def test_train_save_load_and_speculate(tiny_model, tmp_path):
   config, params, tok = tiny_model
   rng = np.random.default_rng(0)

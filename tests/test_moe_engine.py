@@ -66,9 +66,9 @@ def test_greedy_output_same_alone_and_in_a_batch_and_load_counts_live_rows(engin
   live_rows = []
   run = engine.runner.run
 
-  def counting_run(inp):
+  def counting_run(inp, drafts=None):
     live_rows.append(int(np.asarray(inp.md.cu_q_lens)[int(np.asarray(inp.md.num_seqs)[0])]))
-    return run(inp)
+    return run(inp, drafts)
 
   monkeypatch.setattr(engine.runner, "run", counting_run)
   before = engine.stats()
@@ -107,9 +107,9 @@ def test_offline_benchmark_reports_the_runs_expert_load(engine, monkeypatch):
   live_rows = []
   run = engine.runner.run
 
-  def counting_run(inp):
+  def counting_run(inp, drafts=None):
     live_rows.append(int(np.asarray(inp.md.cu_q_lens)[int(np.asarray(inp.md.num_seqs)[0])]))
-    return run(inp)
+    return run(inp, drafts)
 
   monkeypatch.setattr(engine.runner, "run", counting_run)
   report = run_offline(engine, RandomWorkload(num_prompts=5, input_len_min=3, input_len_max=40,

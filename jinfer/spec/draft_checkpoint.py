@@ -30,10 +30,11 @@ def is_draft_checkpoint(path: str) -> bool:
 
 
 def draft_config(target: ModelConfig, num_layers: int) -> ModelConfig:
-  """The target's architecture with `num_layers` layers (and their sliding windows, if any, from
-  the first layers)."""
+  """The target's architecture with `num_layers` layers (their sliding windows and MoE kinds,
+  if any, from the first layers)."""
   return dataclasses.replace(target, num_layers=num_layers,
-                             sliding_windows=target.sliding_windows[:num_layers])
+                             sliding_windows=target.sliding_windows[:num_layers],
+                             moe_layers=target.moe_layers[:num_layers])
 
 
 def save_draft(path: str, own: dict, meta: dict, dtype=jnp.bfloat16) -> None:
