@@ -14,9 +14,9 @@ pytestmark = pytest.mark.slow  # three SmolLM2 engines, ~4 minutes
 
 DRAFT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints",
                      "smollm2-135m-draft")
-# 59 usable pages (944 tokens) for 16 running sequences of up to ~240 tokens: preemption.
+# 39 usable pages (624 tokens) for 16 running sequences of up to ~240 tokens: preemption.
 ENGINE = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=64, page_size=16,
-              num_pages=60, warmup=False)
+              num_pages=40, warmup=False)
 SPECS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                    "prompt_lookup_max": 4},
          "draft": {"method": "draft_model", "num_speculative_tokens": 4, "model": DRAFT}}
