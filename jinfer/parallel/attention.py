@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jinfer.parallel.sharding import KV_CACHE_SPEC
 from pallas_kernels import (AttentionMetadata, merge_attention, ragged_paged_attention,
                             write_kv)
 
@@ -86,11 +87,10 @@ def paged_attention(
     _, o, _ = jax.lax.fori_loop(0, cp, hop, (qs, o0, lse0))
     return o.reshape(q.shape).astype(q.dtype), cache
 
-  cache_spec = P(None, "context", None, "tensor", None, None)
   o, kv_cache = jax.shard_map(
       body, mesh=mesh,
-      in_specs=(P("context", "tensor", None), heads, heads, cache_spec, P(), P(), P()),
-      out_specs=(P("context", "tensor", None), cache_spec), check_vma=False,
+      in_specs=(P("context", "tensor", None), heads, heads, KV_CACHE_SPEC, P(), P(), P()),
+      out_specs=(P("context", "tensor", None), KV_CACHE_SPEC), check_vma=False,
   )(q[rows], k, v, kv_cache, md, layer, sliding_window)
   return o[np.argsort(rows)], kv_cache
 

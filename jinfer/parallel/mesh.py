@@ -3,7 +3,7 @@
 One engine's mesh has two named axes: `context` (CP: a sequence's KV pages and a step's query rows
 spread over it) and `tensor` (TP: heads, MLP columns and the vocabulary split over it; with expert
 parallelism, the experts). Data parallelism is not a mesh axis: each DP rank is its own engine
-with its own page pool and scheduler on its own devices (`data_parallel.py`).
+with its own page pool and scheduler on its own devices (`jinfer/engine/data_parallel.py`).
 """
 from __future__ import annotations
 
