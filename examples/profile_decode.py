@@ -30,11 +30,11 @@ from jinfer.bench.machine import machine_info
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.models.llama import Linear
-from jinfer.quant.qarray import param_bytes
+from jinfer.quant.qarray import QArray, param_bytes
 from jinfer.sample import sample
 from jinfer.sampling_params import SamplingParams
 from jinfer.weights.loader import DEFAULT_MODEL, load_model
-from pallas_kernels import ragged_paged_attention, write_kv
+from pallas_kernels import int8_matmul, ragged_paged_attention, write_kv
 
 
 def _load() -> float | None:
@@ -62,17 +62,19 @@ def _over_layers(fn, layer_params, carry, scanned: bool):
     carry, _ = jax.lax.scan(lambda c, a: (fn(c, a[0], a[1]), None), carry,
                             (layer_params, jnp.arange(n, dtype=jnp.int32)))
     return carry
+  index = jnp.arange(len(layer_params), dtype=jnp.int32)  # as the model indexes its layers
   for i, p in enumerate(layer_params):
-    carry = fn(carry, p, i)
+    carry = fn(carry, p, index[i])
   return carry
 
 
 def part_timings(engine: LLMEngine, inp, repeats: int) -> dict:
   """Each part of a step jitted alone over the step's own shapes and params."""
   runner, c = engine.runner, engine.model_config
-  kn, dtype, scanned = runner.model.kernels, runner.model.dtype, runner.model.scan_layers
-  layers = _layer_params(runner.params, c.num_layers, scanned)
   t = inp.token_ids.shape[0]
+  model, params = runner.variant(t)
+  kn, dtype, scanned = model.kernels, model.dtype, model.scan_layers
+  layers = _layer_params(params, c.num_layers, scanned)
   e, hq, hkv, d, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
   lin = lambda shape, axes, n_in=1: Linear(shape, axes, kn, n_in=n_in, dtype=dtype)
   specs = {  # the model's linear layers, by where their kernels sit
@@ -104,21 +106,27 @@ def part_timings(engine: LLMEngine, inp, repeats: int) -> dict:
                                    backend=kn.attention, interpret=kn.interpret)
     return o, cache
 
-  dummy = [None] * c.num_layers if not scanned else jnp.zeros((c.num_layers,))
-  attn = jax.jit(lambda cache, md: _over_layers(lambda *a: attention(md, *a), dummy,
-                                                (q0 * 0, cache), scanned),
+  # Attention reads no weights, so it is timed under a layer scan whichever way the stack runs
+  # (unrolled, this jitted part alone is not updated in place and would time cache copies).
+  attn = jax.jit(lambda cache, md: _over_layers(lambda *a: attention(md, *a),
+                                                jnp.zeros((c.num_layers,)), (q0 * 0, cache),
+                                                True),
                  donate_argnums=(0,))
   s = inp.logits_indices.shape[0]
 
   def head(p, x, rows):
     x = x[rows]
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * p["norm"]["scale"]
+    if isinstance(p["embedding"], QArray):  # a quantized tied embedding, as the model runs it
+      w = p["embedding"]
+      return int8_matmul(x, w.values.T, w.scale, mode=kn.matmul_mode, backend=kn.matmul,
+                         interpret=kn.interpret)
     if c.tie_word_embeddings:
       return x @ p["embedding"].T
     return lin((e, c.vocab_size), ("embed", "vocab")).apply({"params": p["lm_head"]}, x)
 
   lm = jax.jit(head)
-  logits = lm(runner.params, x0, inp.logits_indices)
+  logits = lm(params, x0, inp.logits_indices)
   samp = jax.jit(sample)
   out = {"layers_matmul_ms": _median_ms(lambda: mm(layers, x0), repeats)}
   cache = [runner.kv_cache]
@@ -129,14 +137,15 @@ def part_timings(engine: LLMEngine, inp, repeats: int) -> dict:
 
   out["attention_ms"] = _median_ms(run_attn, repeats)
   runner.kv_cache = cache[0]
-  out["lm_head_ms"] = _median_ms(lambda: lm(runner.params, x0, inp.logits_indices), repeats)
+  out["lm_head_ms"] = _median_ms(lambda: lm(params, x0, inp.logits_indices), repeats)
   out["sampling_ms"] = _median_ms(lambda: samp(logits, inp.sampling), repeats)
   layer_bytes = param_bytes(layers)
-  head_bytes = param_bytes(runner.params) - layer_bytes
+  head_bytes = param_bytes(params) - layer_bytes
   out["layers_weight_bytes"] = layer_bytes
   out["layers_matmul_gb_s"] = layer_bytes / out["layers_matmul_ms"] / 1e6
   out["lm_head_and_embedding_bytes"] = head_bytes
   out["rows_per_step"] = {"T": t, "S": s}
+  out["scan_layers"] = scanned
   return out
 
 
@@ -206,7 +215,7 @@ def main():
   engine = LLMEngine.from_parts(model_config, params, None, config=config, warmup=False)
   del params
   report = {"machine": machine_info(), "model": args.model, "quantization": args.quantization,
-            "scan_layers": engine.runner.model.scan_layers,
+            "unrolled_max_tokens": engine.runner.unrolled_max_tokens,
             "weight_bytes": engine.stats().weight_bytes,
             "batches": [profile_batch(engine, b, args.context, args.steps, args.repeats)
                         for b in batches]}

@@ -105,7 +105,7 @@ class LLMEngine:
       params = quantize_params(params, linear_kernels(model_config))
     self.runner = ModelRunner(model_config, params, config.kv_spec(model_config, dtype),
                               self.buckets, kernels=kernels, dtype=dtype,
-                              scan_layers=config.resolved_scan_layers())
+                              unrolled_max_tokens=config.unrolled_max_tokens())
     self.groups: dict[str, _Group] = {}
     self._seed_rng = np.random.default_rng(config.seed)
     self._ids = itertools.count()

@@ -55,19 +55,29 @@ def _step(model: CausalLM, return_hidden: bool, params, kv_cache, inp: StepInput
 
 
 class ModelRunner:
-  """`params` in the stacked layout; `scan_layers=False` runs the unrolled stack over per-layer
-  copies (made once here, the stacked arrays then dropped)."""
+  """`params` in the stacked layout. Steps of at most `unrolled_max_tokens` tokens run the
+  unrolled stack over per-layer arrays (views of the stacked ones on the CPU, see
+  `unstack_layers`), larger steps the scanned stack: `model`, `params` and `_step` are the
+  scanned ones when any step runs scanned, `_small` the unrolled (step, params) beside them."""
 
   def __init__(self, config: ModelConfig, params: dict, spec: KVCacheSpec, buckets: Buckets, *,
-               kernels: KernelOptions, dtype, scan_layers: bool, return_hidden: bool = False):
+               kernels: KernelOptions, dtype, unrolled_max_tokens: int,
+               return_hidden: bool = False):
     self.config, self.spec, self.buckets = config, spec, buckets
-    self.model = CausalLM(config, kernels, dtype=dtype, scan_layers=scan_layers)
-    self.params = params if scan_layers else unstack_layers(params, config.num_layers)
+    self.unrolled_max_tokens = unrolled_max_tokens
+    # The cache is donated: XLA updates it in place instead of copying it every step.
+    jit = lambda model: jax.jit(functools.partial(_step, model, return_hidden),
+                                donate_argnums=(1,))
+    scanned = buckets.token_buckets[-1] > unrolled_max_tokens
+    self.model = CausalLM(config, kernels, dtype=dtype, scan_layers=scanned)
+    self.params = params if scanned else unstack_layers(params, config.num_layers)
+    self._step = jit(self.model)
+    self._small = None
+    if scanned and buckets.token_buckets[0] <= unrolled_max_tokens:
+      small = CausalLM(config, kernels, dtype=dtype, scan_layers=False)
+      self._small = (jit(small), unstack_layers(params, config.num_layers), small)
     self.kv_cache = spec.allocate()
     self.cache_resets = 0  # times a failed step consumed the cache and it was rebuilt empty
-    # The cache is donated: XLA updates it in place instead of copying it every step.
-    self._step = jax.jit(functools.partial(_step, self.model, return_hidden),
-                         donate_argnums=(1,))
     self._shapes_run: set[tuple[int, bool]] = set()
 
   def run(self, inp: StepInput) -> StepOutput:
@@ -86,9 +96,18 @@ class ModelRunner:
              time.monotonic() - t0)
     return out
 
+  def variant(self, num_tokens: int) -> tuple[CausalLM, dict]:
+    """The model and params a step of `num_tokens` (a bucket) runs."""
+    if self._small is not None and num_tokens <= self.unrolled_max_tokens:
+      return self._small[2], self._small[1]
+    return self.model, self.params
+
   def _run(self, inp: StepInput) -> StepOutput:
     try:
-      out, self.kv_cache = self._step(self.params, self.kv_cache, inp)
+      if self._small is not None and inp.token_ids.shape[0] <= self.unrolled_max_tokens:
+        out, self.kv_cache = self._small[0](self._small[1], self.kv_cache, inp)
+      else:
+        out, self.kv_cache = self._step(self.params, self.kv_cache, inp)
     except Exception:
       # The cache was donated to the failed call: if XLA consumed it, start from an empty one
       # (the caller must then treat every cached token as gone).
@@ -107,6 +126,7 @@ class ModelRunner:
 
   @property
   def weight_bytes(self) -> int:
+    # On the CPU the unrolled layers are views of `params`: one copy of the weights.
     return param_bytes(self.params)
 
   @property

@@ -49,7 +49,7 @@ class Buckets:
   max_prefill_seqs: int
   max_pages_per_seq: int
   max_model_len: int
-  smallest_bucket: int = 8
+  smallest_bucket: int = 1
 
   @property
   def token_buckets(self) -> list[int]:

@@ -20,7 +20,10 @@ def int8_matmul_reference(
     y = jnp.dot(x, w_int8.astype(x.dtype), preferred_element_type=jnp.float32) * ws
   elif mode == "w8a8":
     xq, xs = quantize_per_token(x)
-    acc = jnp.dot(xq, w_int8, preferred_element_type=jnp.int32)  # exact integer accumulation
+    m = x.shape[0]
+    if m == 1:  # XLA:CPU lowers a one-row integer dot to a slow reduction; two rows to a GEMM
+      xq = jnp.pad(xq, ((0, 1), (0, 0)))
+    acc = jnp.dot(xq, w_int8, preferred_element_type=jnp.int32)[:m]  # exact integer accumulation
     y = acc.astype(jnp.float32) * xs[:, None] * ws
   else:
     raise ValueError(f"unknown int8 matmul mode {mode!r}; choose 'w8a16' or 'w8a8'")
