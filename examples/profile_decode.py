@@ -119,8 +119,8 @@ def part_timings(engine: LLMEngine, inp, repeats: int) -> dict:
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * p["norm"]["scale"]
     if isinstance(p["embedding"], QArray):  # a quantized tied embedding, as the model runs it
       w = p["embedding"]
-      return int8_matmul(x, w.values.T, w.scale, mode=kn.matmul_mode, backend=kn.matmul,
-                         interpret=kn.interpret)
+      return int8_matmul(x, w.values, w.scale, mode=kn.matmul_mode, backend=kn.matmul,
+                         interpret=kn.interpret, transpose_w=True)
     if c.tie_word_embeddings:
       return x @ p["embedding"].T
     return lin((e, c.vocab_size), ("embed", "vocab")).apply({"params": p["lm_head"]}, x)

@@ -237,8 +237,9 @@ class CausalLM(nn.Module):
     if logits_indices is not None:
       x = x[logits_indices]  # [S, E]
     if isinstance(embed, QArray):
-      logits = int8_matmul(x, embed.values.T, embed.scale, mode=self.kernels.matmul_mode,
-                           backend=self.kernels.matmul, interpret=self.kernels.interpret)
+      logits = int8_matmul(x, embed.values, embed.scale, mode=self.kernels.matmul_mode,
+                           backend=self.kernels.matmul, interpret=self.kernels.interpret,
+                           transpose_w=True)
     elif c.tie_word_embeddings:
       logits = x @ embed.T.astype(x.dtype)
     else:
