@@ -33,9 +33,10 @@ class EngineConfig:
   # Run the layer stack under a scan (compiles in seconds) or unrolled (each matmul reads its
   # weights in place). None: by step size, see `unrolled_max_tokens`.
   scan_layers: bool | None = None
-  # With scan_layers=None on the CPU: steps of at most this many tokens (decode of small
-  # batches) run unrolled, larger ones scanned.
-  max_unrolled_tokens: int = 8
+  # With scan_layers=None on the CPU: steps of at most this many tokens run unrolled, larger
+  # ones scanned. 1: a single stream's decode steps, each unrolled bucket costing a compile of
+  # every layer (~10x a scanned one).
+  max_unrolled_tokens: int = 1
   # Requests may ask for prompt_logprobs: compiles a second step variant per bucket that
   # projects every row to logits, used only by steps that carry such a request.
   enable_prompt_logprobs: bool = False
@@ -76,7 +77,7 @@ class EngineConfig:
     By default, on the CPU, small decode steps run unrolled: a scanned layer copies its weights
     out of the stack before each matmul there (a dynamic slice feeds no dot in place), which
     dominates a step that reads every weight for a few rows; each unrolled bucket compiles ~10x
-    slower, so only the small ones are. Prefill and large batches measure the same or better
+    slower, so only the smallest is by default. Prefill and large batches measure the same or better
     scanned. Elsewhere the scan reads its weights in place and runs everything.
     """
     if self.scan_layers is not None:
