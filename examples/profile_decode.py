@@ -149,9 +149,16 @@ def part_timings(engine: LLMEngine, inp, repeats: int) -> dict:
   return out
 
 
+def _prefill_steps(batch: int, context: int, tokens_per_step: int = 512) -> int:
+  return -(-batch * context // tokens_per_step) + batch
+
+
 def profile_batch(engine: LLMEngine, batch: int, context: int, steps: int, repeats: int) -> dict:
   vocab = engine.model_config.vocab_size
-  sp = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+  # Sequences prefilled first decode while the others prefill: room for those steps too, so
+  # all B are still decoding when the timed steps run.
+  sp = SamplingParams(temperature=0.0, max_tokens=steps + _prefill_steps(batch, context) + 4,
+                      ignore_eos=True)
   rids = [engine.add_request(None, ((np.arange(context) * 7919 + 31 * i) % vocab).tolist(), sp)
           for i in range(batch)]
   seqs = [s for r in rids for s in engine.groups[r].seqs]
@@ -182,6 +189,7 @@ def profile_batch(engine: LLMEngine, batch: int, context: int, steps: int, repea
   step_ms = 1e3 * statistics.median(step_times)
   device_ms = 1e3 * statistics.median(run_times)
   parts = part_timings(engine, last_inp[0], repeats)
+  assert parts["rows_per_step"]["S"] >= batch, "some sequences stopped before the timed steps"
   for r in rids:
     engine.abort(r)
   known = (parts["layers_matmul_ms"] + parts["attention_ms"] + parts["lm_head_ms"]
@@ -209,7 +217,9 @@ def main():
   args = ap.parse_args()
   batches = [int(b) for b in args.batches.split(",")]
   model_config, params, _ = load_model(args.model, jnp.float32, load_tokenizer=False)
-  config = EngineConfig(max_model_len=args.context + args.steps + 8, max_num_seqs=max(batches),
+  extra = max(_prefill_steps(b, args.context) for b in batches)
+  config = EngineConfig(max_model_len=args.context + args.steps + extra + 8,
+                        max_num_seqs=max(batches),
                         quantization=args.quantization,
                         scan_layers=None if args.scan_layers is None else args.scan_layers == "true")
   engine = LLMEngine.from_parts(model_config, params, None, config=config, warmup=False)
