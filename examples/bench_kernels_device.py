@@ -12,6 +12,13 @@ the baseline (`max_abs_err_vs_reference`; so a device run is also a check of the
 int8 matmul: W8A16 and W8A8 kernels against a bf16 XLA matmul of the same weights (and the jnp
 int8 reference), at decode and prefill M with Llama-3-8B MLP shapes.
 
+Grouped matmul (MoE experts): Mixtral-8x7B's gate/up projection (8 experts, hidden 4096, 2 x
+14336 wide, top-2) over the rows a decode and a prefill batch route to the experts (a softmax
+router over random activations, so the groups are uneven), for every backend that runs on the
+platform (`ragged_dot` everywhere; `pallas_tpu` on a TPU, interpreted on the CPU with --smoke),
+float and int8 experts, against the dense matmul of the same active rows (one expert's
+weights). The bytes are the weights of the experts that got rows, plus activations in and out.
+
   python examples/bench_kernels_device.py --out /tmp/bench.json            # on the device
   python examples/bench_kernels_device.py --smoke --out /tmp/smoke.json    # CPU: tiny, interpreted
 """
@@ -28,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import AttentionMetadata
+from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.int8_matmul import int8_matmul, quantize_per_channel
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -194,6 +202,64 @@ def bench_int8_matmul(args, backends: list[str], interpret: bool) -> list[dict]:
   return results
 
 
+def routed_rows(rng, tokens: int, hidden: int, experts: int, top_k: int) -> tuple:
+  """(token of each routed row [tokens*top_k], rows per expert [experts]): the rows sorted by
+  expert as the MoE layer sorts them, chosen by a softmax router over random activations."""
+  x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+  logits = x @ (rng.standard_normal((hidden, experts)).astype(np.float32) / np.sqrt(hidden))
+  chosen = np.argsort(-logits, axis=1)[:, :top_k].reshape(-1)  # [tokens*top_k]
+  order = np.argsort(chosen, kind="stable")
+  return order // top_k, np.bincount(chosen, minlength=experts).astype(np.int32)
+
+
+def bench_grouped_matmul(args, backends: list[str], interpret: bool) -> list[dict]:
+  experts, top_k = 8, 2
+  hidden, n = (256, 384) if args.smoke else (4096, 2 * 14336)
+  batches = (24,) if args.smoke else (64, 4096)
+  dtype = jnp.float32 if args.smoke else jnp.bfloat16
+  blocks = dict(block_m=32, block_n=128, block_k=128) if args.smoke else {}
+  rng = np.random.default_rng(2)
+  w = jnp.asarray(rng.standard_normal((experts, hidden, n), np.float32) * 0.02)
+  wq, ws = jax.vmap(quantize_per_channel)(w)  # [G, K, N] int8, [G, N]
+  weights = {None: w.astype(dtype), "w8a16": wq, "w8a8": wq}
+  results = []
+  for tokens in batches:
+    token_of_row, sizes = routed_rows(rng, tokens, hidden, experts, top_k)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype)
+    rows = x[jnp.asarray(token_of_row)]  # [tokens*top_k, K]
+    gs = jnp.asarray(sizes)
+    m, used = rows.shape[0], int(np.count_nonzero(sizes))
+    flops = 2 * m * hidden * n
+    act_bytes = m * (hidden + n) * jnp.dtype(dtype).itemsize
+    dense = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
+    ms = time_fn(dense, (rows, weights[None][0]), args.iters)
+    nbytes = hidden * n * jnp.dtype(dtype).itemsize + act_bytes
+    results.append(dict(op="matmul", backend="xla_dense_one_expert", mode=str(jnp.dtype(dtype)),
+                        m=m, k=hidden, n=n, ms=ms, bytes=nbytes,
+                        hbm_fraction=nbytes / (ms * 1e-3) / args.peak_bw,
+                        tflops=flops / (ms * 1e-3) / 1e12))
+    print(json.dumps(results[-1]), file=sys.stderr)
+    for mode, wt in weights.items():
+      scale = None if mode is None else ws
+      ref = grouped_matmul(rows, wt, gs, scale, mode=mode or "w8a16")
+      w_bytes = used * hidden * n * wt.dtype.itemsize + (0 if mode is None else used * n * 4)
+      for backend in ["ragged_dot"] + backends:
+        kw = dict(blocks, interpret=interpret) if backend.startswith("pallas") else {}
+        fn = jax.jit(lambda x, w, gs, s, backend=backend, kw=kw, mode=mode: grouped_matmul(
+            x, w, gs, s, mode=mode or "w8a16", backend=backend, **kw))
+        out = fn(rows, wt, gs, scale)
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+        ms = time_fn(fn, (rows, wt, gs, scale), args.iters)
+        results.append(dict(op="grouped_matmul", backend=backend,
+                            mode=mode or str(jnp.dtype(dtype)), m=m, k=hidden, n=n,
+                            groups=experts, group_sizes=sizes.tolist(), ms=ms,
+                            bytes=w_bytes + act_bytes,
+                            hbm_fraction=(w_bytes + act_bytes) / (ms * 1e-3) / args.peak_bw,
+                            tflops=flops / (ms * 1e-3) / 1e12, max_abs_err_vs_reference=err))
+        print(json.dumps(results[-1]), file=sys.stderr)
+  return results
+
+
 def main(argv: list[str] | None = None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", required=True, help="where to write the JSON report")
@@ -208,7 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
   ap.add_argument("--baseline", choices=["xla", "reference"], default=None,
                   help="attention backend the kernels are timed and checked against "
                        "(default: reference with --smoke, else xla)")
-  ap.add_argument("--skip", choices=["attention", "int8_matmul"], action="append", default=[])
+  ap.add_argument("--skip", choices=["attention", "int8_matmul", "grouped_matmul"],
+                  action="append", default=[])
   ap.add_argument("--smoke", action="store_true",
                   help="tiny shapes, f32; on CPU the kernels run in interpret mode")
   args = ap.parse_args(argv)
@@ -232,6 +299,9 @@ def main(argv: list[str] | None = None) -> dict:
     results += bench_attention(args, backends, interpret)
   if "int8_matmul" not in args.skip:
     results += bench_int8_matmul(args, backends, interpret)
+  if "grouped_matmul" not in args.skip:
+    gmm_backends = {"tpu": ["pallas_tpu"], "gpu": []}.get(plat, ["pallas_tpu"])
+    results += bench_grouped_matmul(args, gmm_backends, interpret)
   report = dict(
       machine=dict(platform=plat, device_kind=jax.devices()[0].device_kind,
                    num_devices=jax.device_count(), jax=jax.__version__,

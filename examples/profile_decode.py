@@ -29,7 +29,7 @@ import numpy as np
 from jinfer.bench.machine import machine_info
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
-from jinfer.models.llama import Linear
+from jinfer.models.llama import HEAD_MODE, Linear
 from jinfer.quant.qarray import QArray, param_bytes
 from jinfer.sample import sample
 from jinfer.sampling_params import SamplingParams
@@ -119,7 +119,7 @@ def part_timings(engine: LLMEngine, inp, repeats: int) -> dict:
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * p["norm"]["scale"]
     if isinstance(p["embedding"], QArray):  # a quantized tied embedding, as the model runs it
       w = p["embedding"]
-      return int8_matmul(x, w.values, w.scale, mode=kn.matmul_mode, backend=kn.matmul,
+      return int8_matmul(x, w.values, w.scale, mode=HEAD_MODE, backend=kn.matmul,
                          interpret=kn.interpret, transpose_w=True)
     if c.tie_word_embeddings:
       return x @ p["embedding"].T
@@ -168,9 +168,9 @@ def profile_batch(engine: LLMEngine, batch: int, context: int, steps: int, repea
   run_times, last_inp = [], []
   inner = runner._run
 
-  def timed_run(inp):
+  def timed_run(inp, drafts=None):
     t0 = time.perf_counter()
-    out = inner(inp)
+    out = inner(inp, drafts)
     run_times.append(time.perf_counter() - t0)
     last_inp[:] = [inp]
     return out

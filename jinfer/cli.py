@@ -85,7 +85,8 @@ def cmd_bench(args):
   config = EngineConfig(max_model_len=args.max_model_len or workload.max_len,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        continuous_batching=not args.no_continuous_batching)
+                        continuous_batching=not args.no_continuous_batching,
+                        **_parallel_options(args))
   # Warm up every bucket first, so no compile lands inside the timed run.
   engine = LLMEngine(args.model, config=config, warmup=True)
   summary = {"model": args.model, **run_offline(engine, workload)}
@@ -99,15 +100,47 @@ def cmd_bench(args):
 def cmd_serve(args):
   from jinfer.engine.engine_config import EngineConfig
   from jinfer.serving.server import serve
+  from jinfer.parallel.distributed import DistributedConfig
   config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        speculative_config=args.speculative_config,
+                        **_parallel_options(args))
+  dist = DistributedConfig(coordinator_address=args.coordinator_address,
+                           num_processes=args.num_processes, process_id=args.process_id)
   options = ServerOptions(
       host=args.host, port=args.port, api_key=args.api_key,
       allowed_hosts=tuple(args.allowed_hosts), allowed_origins=tuple(args.allowed_origins),
       max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
       body_timeout=args.body_timeout, max_connections=args.max_connections,
       max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout)
-  serve(args.model, options=options, served_model_name=args.served_model_name, config=config)
+  serve(args.model, options=options, served_model_name=args.served_model_name, config=config,
+        distributed_config=dist)
+
+
+def _add_parallel_args(p, data_parallel: bool = True, multi_process: bool = False):
+  p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                 help="split heads, MLP and vocabulary over this many devices")
+  p.add_argument("--context-parallel-size", "-cp", type=int, default=1,
+                 help="spread each sequence's KV and each step's rows over this many devices "
+                      "(ring attention; a power of two)")
+  if data_parallel:
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engines, each with its own page pool, behind one front end")
+  p.add_argument("--enable-expert-parallel", action="store_true",
+                 help="MoE: whole experts per tensor-parallel device instead of split each")
+  if multi_process:
+    p.add_argument("--coordinator-address", default=None,
+                   help="host:port of process 0, for one process per host")
+    p.add_argument("--num-processes", type=int, default=1)
+    p.add_argument("--process-id", type=int, default=0,
+                   help="0 serves HTTP; the others run its steps")
+
+
+def _parallel_options(args) -> dict:
+  return dict(tensor_parallel_size=args.tensor_parallel_size,
+              context_parallel_size=args.context_parallel_size,
+              data_parallel_size=getattr(args, "data_parallel_size", 1),
+              enable_expert_parallel=args.enable_expert_parallel)
 
 
 def cmd_bench_serve(args):
@@ -172,6 +205,7 @@ def main(argv: list[str] | None = None):
                  help="static batches that wait for their longest member (a baseline)")
   p.add_argument("--seed", type=int, default=0, help="numpy seed of the prompts")
   p.add_argument("--out", default=None, help="also write the JSON to this file")
+  _add_parallel_args(p, data_parallel=False)  # the benchmark reads one engine's pool
   p.set_defaults(fn=cmd_bench)
 
   p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)")
@@ -185,6 +219,9 @@ def main(argv: list[str] | None = None):
   p.add_argument("--max-model-len", type=int, default=2048)
   p.add_argument("--max-num-seqs", type=int, default=64)
   p.add_argument("--max-num-batched-tokens", type=int, default=512)
+  p.add_argument("--speculative-config", default=None, metavar="JSON",
+                 help='speculative decoding, e.g. \'{"method": "ngram", '
+                      '"num_speculative_tokens": 4}\' (see README)')
   p.add_argument("--max-waiting", type=int, default=serving.max_waiting,
                  help="sequences waiting to be scheduled beyond which requests get 429")
   p.add_argument("--shutdown-timeout", type=float, default=serving.shutdown_timeout,
@@ -203,6 +240,7 @@ def main(argv: list[str] | None = None):
                  help="seconds a request may take to send its body (then 408)")
   p.add_argument("--max-connections", type=int, default=serving.max_connections,
                  help="requests beyond this many open connections get 503")
+  _add_parallel_args(p, multi_process=True)
   p.set_defaults(fn=cmd_serve)
 
   p = sub.add_parser("bench-serve", help="load a local server with random prompts; JSON figures")

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                           "qwen3_moe")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -34,6 +35,15 @@ class ModelConfig:
   sliding_windows: tuple[int | None, ...] = ()
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
+  # Mixture-of-experts (0 experts: a dense model). Routing is softmax then top-k, the top-k
+  # weights renormalized when `norm_topk_prob` (Mixtral always).
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0  # each routed expert's FFN width
+  shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
+  norm_topk_prob: bool = False
+  # Per layer: an MoE layer (True) or a dense MLP of `intermediate_size`; length num_layers.
+  moe_layers: tuple[bool, ...] = ()
 
   def __post_init__(self):
     if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -46,6 +56,20 @@ class ModelConfig:
       object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
     if len(self.sliding_windows) != self.num_layers:
       raise ValueError("sliding_windows must have one entry per layer")
+    if not self.moe_layers:
+      object.__setattr__(self, "moe_layers", (self.num_experts > 0,) * self.num_layers)
+    if len(self.moe_layers) != self.num_layers:
+      raise ValueError("moe_layers must have one entry per layer")
+    if any(self.moe_layers) and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+      raise ValueError(f"MoE layers need 0 < num_experts_per_tok <= num_experts and a positive "
+                       f"moe_intermediate_size; got {self.num_experts_per_tok} of "
+                       f"{self.num_experts} experts, moe_intermediate_size "
+                       f"{self.moe_intermediate_size}")
+
+  @property
+  def moe_layer_ids(self) -> tuple[int, ...]:
+    return tuple(i for i, moe in enumerate(self.moe_layers) if moe)
 
   @property
   def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -96,16 +120,23 @@ class ModelConfig:
 
       windows: list[int | None] = [None] * num_layers
       window = d.get("sliding_window")
-      if arch == "mistral" and window:
+      if arch in ("mistral", "mixtral") and window:
         windows = [window] * num_layers
-      elif arch in ("qwen2", "qwen3") and d.get("use_sliding_window") and window:
+      elif arch in ("qwen2", "qwen3", "qwen2_moe") and d.get("use_sliding_window") and window:
+        max_window = d.get("max_window_layers", num_layers)
+        if arch == "qwen2_moe":  # transformers' defaults when the file lists no layer types
+          sliding = lambda i: (i + 1) % 2 == 1 and i < max_window
+        else:
+          sliding = lambda i: i >= max_window
         types = d.get("layer_types") or [
-            "sliding_attention" if i >= d.get("max_window_layers", num_layers) else "full_attention"
-            for i in range(num_layers)]
+            "sliding_attention" if sliding(i) else "full_attention" for i in range(num_layers)]
         windows = [window if t == "sliding_attention" else None for t in types]
+      elif arch == "qwen3_moe" and d.get("use_sliding_window") and window:
+        windows = [window] * num_layers
 
       eos = d.get("eos_token_id")
       eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+      moe = _hf_moe_fields(arch, d, num_layers, source)
       return cls(
           architecture=arch,
           vocab_size=d["vocab_size"],
@@ -120,11 +151,13 @@ class ModelConfig:
           rope_scaling=scaling,
           max_position_embeddings=d.get("max_position_embeddings", 2048),
           tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-          attention_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
-          qk_norm=arch == "qwen3",
+          attention_bias=(arch == "qwen2" or (arch == "qwen2_moe" and d.get("qkv_bias", True))
+                          or bool(d.get("attention_bias", False))),
+          qk_norm=arch in ("qwen3", "qwen3_moe"),
           sliding_windows=tuple(windows),
           bos_token_id=d.get("bos_token_id"),
           eos_token_ids=eos_ids,
+          **moe,
       )
     except KeyError as e:
       raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
@@ -140,3 +173,33 @@ class ModelConfig:
     except json.JSONDecodeError as e:
       raise ValueError(f"{f}: not valid JSON ({e})") from None
     return cls.from_hf_dict(d, source=f)
+
+
+def _hf_moe_fields(arch: str, d: dict[str, Any], num_layers: int, source: str) -> dict[str, Any]:
+  """ModelConfig's MoE fields from an HF config, with transformers' defaults for absent keys."""
+  if arch not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    return {}
+  if d.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"{source}: unsupported hidden_act {d['hidden_act']!r} (jinfer's experts "
+                     f"use silu)")
+  if arch == "mixtral":
+    return dict(num_experts=d.get("num_local_experts", 8),
+                num_experts_per_tok=d.get("num_experts_per_tok", 2),
+                moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True)
+  # Qwen2-MoE and Qwen3-MoE files say num_experts or num_local_experts.
+  experts = d.get("num_experts", d.get("num_local_experts",
+                                       60 if arch == "qwen2_moe" else 128))
+  step, dense = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or ())
+  if step < 1:
+    raise ValueError(f"{source}: decoder_sparse_step must be >= 1, got {step}")
+  fields = dict(
+      num_experts=experts,
+      num_experts_per_tok=d.get("num_experts_per_tok", 4 if arch == "qwen2_moe" else 8),
+      moe_intermediate_size=d.get("moe_intermediate_size", 1408 if arch == "qwen2_moe" else 768),
+      norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+      # transformers' rule (Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer)
+      moe_layers=tuple(i not in dense and experts > 0 and (i + 1) % step == 0
+                       for i in range(num_layers)))
+  if arch == "qwen2_moe":
+    fields["shared_expert_intermediate_size"] = d.get("shared_expert_intermediate_size", 5632)
+  return fields

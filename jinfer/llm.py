@@ -1,13 +1,16 @@
 """The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, as vLLM users know it."""
 from __future__ import annotations
 
+import atexit
 from typing import Any, Sequence as Seq
 
 from tqdm import tqdm
 
-from jinfer.engine.engine import LLMEngine
+from jinfer.engine.data_parallel import create_engine
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.request import RequestOutput
+from jinfer.parallel import distributed
+from jinfer.parallel.distributed import DistributedConfig
 from jinfer.sampling_params import SamplingParams
 from jinfer.weights.loader import DEFAULT_MODEL
 
@@ -21,15 +24,33 @@ class LLM:
   """
 
   def __init__(self, model: str = DEFAULT_MODEL, *, dtype=None, warmup: bool = True,
-               skip_tokenizer_init: bool = False, **engine_options: Any):
-    self.engine = LLMEngine(model, dtype=dtype, config=EngineConfig(**engine_options),
-                            warmup=warmup, skip_tokenizer_init=skip_tokenizer_init)
+               skip_tokenizer_init: bool = False, coordinator_address: str | None = None,
+               num_processes: int = 1, process_id: int = 0, **engine_options: Any):
+    # Several processes (one per host) run one mesh: every process makes the same `LLM`;
+    # process 0 returns to generate, the others run its steps until it closes, then return.
+    dist = DistributedConfig(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id)
+    distributed.initialize(dist)
+    self.is_leader = dist.is_leader
+    self.engine = create_engine(model, dtype=dtype, config=EngineConfig(**engine_options),
+                                warmup=warmup and self.is_leader,
+                                skip_tokenizer_init=skip_tokenizer_init)
     self.tokenizer = self.engine.tokenizer
+    if not self.is_leader:
+      self.engine.runner.follow()
+    elif num_processes > 1:
+      atexit.register(self.close)
+
+  def close(self):
+    """Release the other processes (several processes only; idempotent)."""
+    self.engine.close()
 
   def generate(self, prompts: str | Seq[str] | Seq[list[int]],
                sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                use_tqdm: bool = True) -> list[RequestOutput]:
     """Outputs in prompt order. Every prompt is validated before any is queued."""
+    if not self.is_leader:
+      raise RuntimeError("only process 0 generates; this process ran its steps until it closed")
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
       prompts = [prompts]
     prompts = list(prompts)

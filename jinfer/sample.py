@@ -40,7 +40,12 @@ class SampleOutput:
   top_logprobs: jax.Array  # [S, MAX_LOGPROBS] float32
 
 
-def _penalize(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+def any_penalty(st: SamplingTensors) -> jax.Array:  # [] bool
+  return jnp.any((st.repetition_penalty != 1.0) | (st.presence_penalty != 0.0)
+                 | (st.frequency_penalty != 0.0))
+
+
+def penalize(logits: jax.Array, st: SamplingTensors) -> jax.Array:
   s, v = logits.shape
   h = st.history.shape[1]
   rows = jnp.broadcast_to(jnp.arange(s)[:, None], (s, h))
@@ -55,9 +60,20 @@ def _penalize(logits: jax.Array, st: SamplingTensors) -> jax.Array:
   return logits - st.presence_penalty[:, None] * (out_counts > 0)
 
 
-def _sample_filtered(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [S] int32
-  s, v = logits.shape
-  scaled = logits / jnp.maximum(st.temperature, 1e-6)[:, None]
+def row_keys(st: SamplingTensors, stream: int | None = None) -> jax.Array:  # [S] keys
+  """Each row's key for the token at position `gen_idx`: `fold_in(key(seed), gen_idx)`, the
+  sampler's own draw. Speculative decoding takes further independent draws for the same token
+  from numbered streams of that key (its acceptance test, the draft's proposal)."""
+  keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(st.seeds, st.gen_idx)
+  return keys if stream is None else jax.vmap(lambda k: jax.random.fold_in(k, stream))(keys)
+
+
+def filter_sorted(x: jax.Array, st: SamplingTensors) -> tuple[jax.Array, jax.Array]:
+  """Temperature, top-k, top-p and min-p over processed logits x [S, V]: (order [S, V], the
+  vocabulary by descending probability; weights [S, V], the probability of each kept token in
+  that order, 0 where filtered out). Kept tokens are a prefix of the order."""
+  s, v = x.shape
+  scaled = x / jnp.maximum(st.temperature, 1e-6)[:, None]
   order = jnp.argsort(-scaled, axis=-1)  # [S, V] descending
   srt = jnp.take_along_axis(scaled, order, axis=-1)
   rank = jnp.arange(v)[None, :]
@@ -67,14 +83,23 @@ def _sample_filtered(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [S
   keep &= before < st.top_p[:, None]
   keep &= probs >= st.min_p[:, None] * probs[:, :1]
   keep = keep.at[:, 0].set(True)  # the most likely token always survives
-  # Inverse-CDF sampling over the kept mass: one uniform number per row. (A Gumbel draw over
-  # the whole vocabulary costs a [S, V] random tensor, and inside the cond that made even the
-  # greedy-only path ~7 ms slower on XLA:CPU.)
-  cdf = jnp.cumsum(jnp.where(keep, probs, 0.0), axis=-1)  # [S, V]
-  keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(st.seeds, st.gen_idx)
+  return order, jnp.where(keep, probs, 0.0)
+
+
+def draw(order: jax.Array, weights: jax.Array, last: jax.Array, keys: jax.Array) -> jax.Array:
+  """Inverse-CDF sampling, one uniform number per row: a token with probability proportional to
+  `weights` [S, V] (in `order`'s positions), never past position `last` [S]. (A Gumbel draw over
+  the whole vocabulary costs a [S, V] random tensor, and inside the sampler's cond that made
+  even the greedy-only path ~7 ms slower on XLA:CPU.)"""
+  cdf = jnp.cumsum(weights, axis=-1)  # [S, V]
   u = jax.vmap(jax.random.uniform)(keys) * cdf[:, -1]  # [S]
-  pick = jnp.minimum(jnp.sum(cdf <= u[:, None], axis=-1), jnp.sum(keep, axis=-1) - 1)  # [S]
+  pick = jnp.minimum(jnp.sum(cdf <= u[:, None], axis=-1), last)  # [S]
   return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def _sample_filtered(x: jax.Array, st: SamplingTensors) -> jax.Array:  # [S] int32
+  order, weights = filter_sorted(x, st)
+  return draw(order, weights, jnp.sum(weights > 0, axis=-1) - 1, row_keys(st))
 
 
 def _argmax(x: jax.Array, block: int = 128) -> jax.Array:  # [S, V] -> [S] int32
@@ -88,25 +113,39 @@ def _argmax(x: jax.Array, block: int = 128) -> jax.Array:  # [S, V] -> [S] int32
   return (best * block + inner).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, st: SamplingTensors) -> SampleOutput:
-  """logits: [S, V] float32 straight from the model."""
-  s, v = logits.shape
-  any_penalty = jnp.any((st.repetition_penalty != 1.0) | (st.presence_penalty != 0.0)
-                        | (st.frequency_penalty != 0.0))
-  x = jax.lax.cond(any_penalty, _penalize, lambda l, _: l, logits, st)
-  rows = jnp.broadcast_to(jnp.arange(s)[:, None], st.banned.shape)
-  x = x.at[rows, jnp.where(st.banned >= 0, st.banned, v)].set(-jnp.inf, mode="drop")
-  greedy = _argmax(x)
-  sampled = jax.lax.cond(jnp.any(st.temperature > 0), _sample_filtered, lambda l, _: greedy, x, st)
-  tokens = jnp.where(st.temperature > 0, sampled, greedy)
-  # Reported logprobs are the model's own, before penalties and filtering. A logsumexp per row
-  # gives the sampled token's; the full log-softmax is only built when top-N is asked for.
+def ban(x: jax.Array, banned: jax.Array) -> jax.Array:
+  """x [S, V] with each row's `banned` [S, B] tokens (-1 padded) set to -inf."""
+  s, v = x.shape
+  rows = jnp.broadcast_to(jnp.arange(s)[:, None], banned.shape)
+  return x.at[rows, jnp.where(banned >= 0, banned, v)].set(-jnp.inf, mode="drop")
+
+
+def process(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [S, V]
+  """The request's own changes to the model's logits: penalties, then banned tokens."""
+  x = jax.lax.cond(any_penalty(st), penalize, lambda l, _: l, logits, st)
+  return ban(x, st.banned)
+
+
+def top_logprobs(logits: jax.Array, num_logprobs: jax.Array) -> tuple[jax.Array, ...]:
+  """(logsumexp [S], top-N logprobs [S, N], their ids [S, N]) of the model's own distribution,
+  before penalties and filtering. The full log-softmax is only built when some row asks for
+  top-N (`num_logprobs` [S])."""
+  s = logits.shape[0]
   lse = jax.nn.logsumexp(logits, axis=-1)  # [S]
   top_lp, top_ids = jax.lax.cond(
-      jnp.any(st.num_logprobs > 0),
+      jnp.any(num_logprobs > 0),
       lambda l: tuple(jax.lax.top_k(l - lse[:, None], MAX_LOGPROBS)),
       lambda l: (jnp.zeros((s, MAX_LOGPROBS), l.dtype), jnp.zeros((s, MAX_LOGPROBS), jnp.int32)),
       logits)
+  return lse, top_lp, top_ids.astype(jnp.int32)
+
+
+def sample(logits: jax.Array, st: SamplingTensors) -> SampleOutput:
+  """logits: [S, V] float32 straight from the model."""
+  x = process(logits, st)
+  greedy = _argmax(x)
+  sampled = jax.lax.cond(jnp.any(st.temperature > 0), _sample_filtered, lambda l, _: greedy, x, st)
+  tokens = jnp.where(st.temperature > 0, sampled, greedy)
+  lse, top_lp, top_ids = top_logprobs(logits, st.num_logprobs)
   token_lp = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
-  return SampleOutput(tokens=tokens, logprobs=token_lp, top_ids=top_ids.astype(jnp.int32),
-                      top_logprobs=top_lp)
+  return SampleOutput(tokens=tokens, logprobs=token_lp, top_ids=top_ids, top_logprobs=top_lp)

@@ -13,6 +13,12 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import jax  # noqa: E402
+
+# Eight CPU devices for the sharding tests (before anything initializes the backend); every
+# other test runs on the first, as on one device.
+jax.config.update("jax_num_cpu_devices", 8)
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:

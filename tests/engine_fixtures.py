@@ -16,12 +16,13 @@ from jinfer.weights.safetensors_dir import load_safetensors_dir
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def tiny_loaded(path: str, gguf: str):
-  """(config, params, tokenizer) of a 2-layer random Llama over SmolLM2's vocabulary."""
+def tiny_loaded(path: str, gguf: str, *, seed: int = 0, num_layers: int = 2):
+  """(config, params, tokenizer) of a random Llama (2 layers) over SmolLM2's vocabulary."""
   tok = Tokenizer.from_gguf(gguf)
-  torch.manual_seed(0)
+  torch.manual_seed(seed)
   cfg = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                 num_hidden_layers=num_layers, num_attention_heads=4,
+                                 num_key_value_heads=2,
                                  max_position_embeddings=1024, tie_word_embeddings=True,
                                  eos_token_id=list(tok.eos_token_ids))
   hf = transformers.LlamaForCausalLM(cfg)

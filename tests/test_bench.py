@@ -72,6 +72,7 @@ def test_bench_cli_reports_a_complete_run(tiny_model_dir, tmp_path, capsys):
   assert 0 < r["peak_pages_used"] <= r["usable_pages"]
   assert r["num_preemptions"] >= 0 and 0 <= r["prefix_hit_rate"] <= 1
   assert r["num_steps"] >= out_len
+  assert r["expert_load"] is None  # a dense model
 
 
 def test_varied_output_lengths_keep_the_prompts():

@@ -269,7 +269,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_recovers(loaded):
   want = _run(eng, prompts, GREEDY)  # also leaves their pages in the prefix cache
   real_step = eng.runner._step
 
-  def failing_step(params, cache, inp):
+  def failing_step(params, cache, inp, drafts):
     cache.delete()  # what a call that consumed its donated input leaves behind
     raise RuntimeError("injected device failure")
 

@@ -121,6 +121,8 @@ def run_offline(engine: LLMEngine, workload: RandomWorkload, *,
           "engine": {k: getattr(cfg, k) for k in (
               "max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens",
               "max_prefill_seqs", "enable_prefix_caching", "continuous_batching")},
+          "speculative_config": (cfg.speculative_config.to_dict()
+                                 if cfg.speculative_config is not None else None),
           "num_pages": engine.blocks.num_pages,
           "kernels": dataclasses.asdict(engine.runner.model.kernels),
           "dtype": np.dtype(engine.runner.spec.dtype).name,
@@ -146,4 +148,8 @@ def run_offline(engine: LLMEngine, workload: RandomWorkload, *,
       "num_preemptions": after.num_preemptions - before.num_preemptions,
       "prefix_hit_rate": after.prefix_hit_rate,
       "num_steps": after.num_steps - before.num_steps,
+      "expert_load": (after.expert_load.since(before.expert_load).as_dict()
+                      if after.expert_load is not None else None),
+      "speculative_decoding": (after.spec.since(before.spec).summary() if after.spec is not None
+                               else None),
   }

@@ -318,7 +318,7 @@ class AsyncLLMEngine:
       # The whole step failed: fail the requests it ran, keep serving the rest.
       log.exception("engine step failed")
       with self._lock:
-        for rid in {seq.group_id for seq in self.engine.scheduler.running}:
+        for rid in self.engine.running_request_ids():
           self._fail(rid, RequestFailedError(f"engine step failed: {e!r}"), deliveries)
         self._refresh_stats()
       self._deliver(deliveries)

@@ -14,14 +14,19 @@ from pallas_kernels.kv_cache_layout import SINK_PAGE
 
 class BlockManager:
 
-  def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+  def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+               num_ranks: int = 1):
+    """`num_ranks`: devices the pool is split over in equal runs of pages (context
+    parallelism); the free list deals pages from each in turn, so a sequence's pages, and its
+    attention work, spread evenly over them."""
     if num_pages < 2:
       raise ValueError("the KV cache needs at least 2 pages (page 0 is the padding sink)")
     self.num_pages, self.page_size = num_pages, page_size
     self.enable_prefix_caching = enable_prefix_caching
     self.ref = [0] * num_pages
-    self.free: collections.deque[int] = collections.deque(
-        p for p in range(num_pages) if p != SINK_PAGE)
+    per_rank = num_pages // num_ranks
+    self.free: collections.deque[int] = collections.deque(sorted(
+        (p for p in range(num_pages) if p != SINK_PAGE), key=lambda p: (p % per_rank, p)))
     self.page_key: dict[int, tuple] = {}  # page -> (hash, tokens, salt) once full and cached
     self.by_hash: dict[int, int] = {}  # hash -> page
     self.evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU order

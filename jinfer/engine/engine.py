@@ -7,20 +7,27 @@ import logging
 import time
 from typing import Iterable
 
+import jax
 import numpy as np
 
 from jinfer.config import ModelConfig
 from jinfer.engine import compilation_cache
 from jinfer.engine.block_manager import BlockManager
 from jinfer.engine.engine_config import EngineConfig, default_dtype
+from jinfer.engine.expert_load import ExpertLoad
 from jinfer.engine.request import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jinfer.engine.step_input import MAX_BANNED, RowError, StepInput, build_step_input
 from jinfer.models import linear_kernels
+from jinfer.parallel.mesh import make_mesh
+from jinfer.parallel.sharding import check_tensor_parallel, duplicate_kv_heads
 from jinfer.quant.qarray import quantize_params
 from jinfer.sample import SampleOutput
 from jinfer.sampling_params import SamplingParams
+from jinfer.spec.ngram import NgramProposer
+from jinfer.spec.proposer import Proposer
+from jinfer.spec.stats import SpecStats
 from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 from jinfer.weights.loader import DEFAULT_MODEL, load_model
 
@@ -54,6 +61,8 @@ class EngineStats:
   num_steps: int
   weight_bytes: int
   kv_cache_bytes: int
+  expert_load: ExpertLoad | None = None  # MoE models: tokens routed to each expert so far
+  spec: SpecStats | None = None  # speculative decoding, when on
 
 
 class LLMEngine:
@@ -78,17 +87,18 @@ class LLMEngine:
 
   @classmethod
   def from_parts(cls, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None, *,
-                 config: EngineConfig | None = None, dtype=None,
-                 warmup: bool = True) -> "LLMEngine":
-    """An engine over params already loaded (stacked layout, see `jinfer.models`)."""
+                 config: EngineConfig | None = None, dtype=None, warmup: bool = True,
+                 devices: list | None = None) -> "LLMEngine":
+    """An engine over params already loaded (stacked layout, see `jinfer.models`); `devices`:
+    the ones its mesh uses (default: the first tensor x context parallel size of them)."""
     self = cls.__new__(cls)
     self.load_seconds = 0.0
     self._build(model_config, params, tokenizer, config or EngineConfig(),
-                dtype or default_dtype(), warmup)
+                dtype or default_dtype(), warmup, devices)
     return self
 
   def _build(self, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None,
-             config: EngineConfig, dtype, warmup: bool):
+             config: EngineConfig, dtype, warmup: bool, devices: list | None = None):
     self.model_config, self.tokenizer = model_config, tokenizer
     self.config = config = config.for_model(model_config)
     if config.compilation_cache:
@@ -96,22 +106,64 @@ class LLMEngine:
     self.max_model_len = config.max_model_len
     self.eos_ids = tuple(model_config.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer
                                                          else ())
+    par = config.parallel_config()
     self.blocks = BlockManager(config.resolved_num_pages(), config.page_size,
-                               config.enable_prefix_caching)
-    self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
+                               config.enable_prefix_caching, num_ranks=par.context_parallel_size)
     self.buckets = config.buckets()
-    kernels = config.kernel_options()
+    spec = config.speculative_config
+    self.proposer: Proposer | None = None
+    self.spec_stats = None
+    if spec is not None:
+      if jax.process_count() > 1:
+        raise ValueError("speculative decoding does not run on several processes yet")
+      self.proposer = self._make_proposer(spec, model_config, params, tokenizer, dtype)
+      self.spec_stats = SpecStats(spec.num_speculative_tokens)
+    self.scheduler = Scheduler(config.scheduler_config(), self.blocks,
+                               lookahead=self._lookahead if spec is not None else None)
+    if jax.process_count() > 1 and (par.data_parallel_size > 1 or
+                                    par.devices_per_engine != jax.device_count()):
+      raise ValueError(f"with several processes the mesh spans every device: "
+                       f"tensor_parallel_size x context_parallel_size must be "
+                       f"{jax.device_count()}, and data_parallel_size 1")
+    run_config, mesh = model_config, None
+    if par.is_parallel or devices is not None:
+      check_tensor_parallel(model_config, par.tensor_parallel_size,
+                            par.enable_expert_parallel)
+      run_config, params = duplicate_kv_heads(model_config, params, par.tensor_parallel_size)
+      mesh = make_mesh(par, devices)
     if config.quantization:
-      params = quantize_params(params, linear_kernels(model_config))
-    self.runner = ModelRunner(model_config, params, config.kv_spec(model_config, dtype),
+      params = quantize_params(params, linear_kernels(run_config))
+    # One device gets no mesh in the kernels: attention skips the per-shard wrapper.
+    kernels = config.kernel_options(mesh if par.is_parallel else None)
+    self.runner = ModelRunner(run_config, params, config.kv_spec(run_config, dtype),
                               self.buckets, kernels=kernels, dtype=dtype,
-                              unrolled_max_tokens=config.unrolled_max_tokens())
+                              unrolled_max_tokens=config.unrolled_max_tokens(), mesh=mesh,
+                              expert_parallel=config.enable_expert_parallel)
     self.groups: dict[str, _Group] = {}
     self._seed_rng = np.random.default_rng(config.seed)
     self._ids = itertools.count()
     self.num_steps = self.prompt_tokens = self.generation_tokens = 0
-    self.warmup_seconds = (self.runner.warmup(config.enable_prompt_logprobs) if warmup
-                           else 0.0)
+    self.expert_tokens = (np.zeros((len(model_config.moe_layer_ids), model_config.num_experts),
+                                   np.int64) if model_config.moe_layer_ids else None)
+    self.warmup_seconds = self._warmup() if warmup else 0.0
+
+  def _make_proposer(self, spec, model_config: ModelConfig, params: dict,
+                     tokenizer: Tokenizer | None, dtype) -> Proposer:
+    if spec.method == "ngram":
+      return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                           spec.prompt_lookup_max)
+    from jinfer.spec.draft_model import DraftModelProposer
+    return DraftModelProposer.load(spec, model_config, params, tokenizer, self.config,
+                                   self.buckets, dtype)
+
+  def _warmup(self) -> float:
+    t0 = time.monotonic()
+    if self.proposer is None:
+      self.runner.warmup(self.config.enable_prompt_logprobs)
+    else:
+      self.runner.warmup(self.config.enable_prompt_logprobs, self.proposer.empty_drafts)
+      self.proposer.warmup(self.buckets.token_buckets)
+    return time.monotonic() - t0
 
   # -- requests -----------------------------------------------------------------------------
   def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -187,24 +239,43 @@ class LLMEngine:
   def has_unfinished_requests(self) -> bool:
     return bool(self.groups)
 
+  def close(self):
+    """Release the other processes of a multi-process mesh (a no-op otherwise)."""
+    self.runner.close()
+
+  def running_request_ids(self) -> set[str]:
+    """Requests with a sequence in the running batch (what a failed step would have run)."""
+    return {seq.group_id for seq in self.scheduler.running}
+
   # -- the loop -----------------------------------------------------------------------------
   def step(self) -> list[RequestOutput]:
     batch = self.scheduler.schedule()
     if not batch.seqs:
       return []
+    t_step = time.monotonic()
     touched: dict[str, _Group] = {}
-    resets = self.runner.cache_resets
+    resets = self._cache_resets()
     try:
+      drafts = None
+      if self.proposer is not None:
+        t0 = time.monotonic()
+        self._fill_drafts(batch)
       inp = self._build_step_input(batch, touched)
       if inp is None:
         return self._emit(touched.values())
-      res = self.runner.run(inp)
+      if self.proposer is not None:
+        # Timed to the drafts' arrival: the target cannot start before them anyway.
+        drafts = jax.block_until_ready(self.proposer.propose(batch, inp))
+        self.spec_stats.proposer_seconds += time.monotonic() - t0
+      res = self.runner.run(inp, drafts)
     except Exception as e:
-      return self._fail_batch(batch, e, self.runner.cache_resets != resets, touched)
+      return self._fail_batch(batch, e, self._cache_resets() != resets, touched)
     now = time.monotonic()
     self.num_steps += 1
+    if res.expert_load is not None:
+      self.expert_tokens += res.expert_load
     row = 0
-    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+    for i, (seq, n, m) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.num_drafts)):
       row += n
       group = self.groups.get(seq.group_id)
       if group is None:
@@ -213,19 +284,72 @@ class LLMEngine:
         self._record_prompt_logprobs(seq, res.prompt_logprobs, row - n, n)
       if seq.num_computed_tokens < len(seq.prompt_token_ids):
         self.prompt_tokens += min(n, len(seq.prompt_token_ids) - seq.num_computed_tokens)
-      seq.num_computed_tokens += n
-      self.blocks.cache_full_pages(seq.pages, seq.token_ids, seq.num_computed_tokens,
-                                   seq.cache_salt)
-      if seq.num_computed_tokens < seq.num_tokens:
-        continue  # a prefill chunk that is not the last: nothing sampled
+      if seq.num_computed_tokens + n < seq.num_tokens:  # a prefill chunk that is not the last
+        seq.num_computed_tokens += n
+        self._cache_pages(seq)
+        continue
+      # Rows whose K/V stays: the sequence's own tokens, then the drafts it keeps (accepted,
+      # and not cut off by a stop). The rest roll back.
+      a = 0 if res.num_accepted is None else int(res.num_accepted[i])
+      if self.proposer is not None:
+        self.spec_stats.record(m, a)
+        self.proposer.on_verified(seq, m, a)
+      kept = 0
       try:
-        self._append_token(seq, res.sample, i, now)
+        if res.num_accepted is None:
+          self._append_token(seq, res.sample, i, now)
+        else:
+          for j in range(a + 1):  # the accepted drafts, then the target's token
+            self._append_token(seq, res.sample, (i, j), now)
+            kept = min(j + 1, a)
+            if seq.finish_reason is not None:
+              break
       except Exception as e:  # one request's failure must not hurt the others
         seq.finish_reason, seq.stop_reason = "error", repr(e)
+      seq.num_computed_tokens += n - m + kept
+      self._cache_pages(seq)
       if seq.finish_reason is not None:
         self.scheduler.finish(seq)
+      else:
+        self.scheduler.rollback(seq)
       touched[group.request_id] = group
+    if self.spec_stats is not None:
+      self.spec_stats.step_seconds += time.monotonic() - t_step
     return self._emit(touched.values())
+
+  def _cache_pages(self, seq: Sequence):
+    """Offer the sequence's full pages to the prefix cache: only tokens whose K/V both the
+    target's and any draft model's caches hold."""
+    self.blocks.cache_full_pages(seq.pages, seq.token_ids,
+                                 seq.num_computed_tokens - seq.draft_lag, seq.cache_salt)
+
+  def _cache_resets(self) -> int:
+    return self.runner.cache_resets + (self.proposer.cache_resets if self.proposer else 0)
+
+  def _lookahead(self, seq: Sequence) -> int:
+    """Draft rows `seq` may verify this step: k, fewer near its token limits (a step yields up
+    to m + 1 tokens), none while the running batch is too large for speculation to pay."""
+    spec = self.config.speculative_config
+    if (spec.disable_by_batch_size is not None
+        and len(self.scheduler.running) > spec.disable_by_batch_size):
+      return 0
+    p = seq.params
+    max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
+    return max(0, min(spec.num_speculative_tokens, max_tokens - len(seq.output_token_ids) - 1,
+                      self.max_model_len - seq.num_tokens - 1))
+
+  def _fill_drafts(self, batch: ScheduledBatch):
+    """Let the proposer fill the draft rows the scheduler gave; none in a step that carries
+    prompt logprobs (that step variant verifies nothing)."""
+    if not any(batch.num_drafts):
+      return
+    if any(s.params.prompt_logprobs is not None
+           and s.num_computed_tokens < len(s.prompt_token_ids) for s in batch.seqs):
+      for i, m in enumerate(batch.num_drafts):
+        batch.num_new_tokens[i] -= m
+        batch.num_drafts[i] = 0
+      return
+    self.proposer.fill(batch)
 
   def _emit(self, groups: Iterable[_Group]) -> list[RequestOutput]:
     """The outputs of these requests now; finished ones are forgotten."""
@@ -245,7 +369,8 @@ class LLMEngine:
       except RowError as e:
         log.error("dropped a sequence from the step", exc_info=e)
         seq = batch.seqs.pop(e.index)
-        del batch.num_new_tokens[e.index]
+        for column in (batch.num_new_tokens, batch.num_drafts, batch.draft_tokens):
+          del column[e.index]
         self._fail(seq, f"its step input could not be built: {e.error!r}", failed)
     return None
 
@@ -270,7 +395,9 @@ class LLMEngine:
     self.scheduler.finish(seq)
     failed[seq.group_id] = self.groups[seq.group_id]
 
-  def _append_token(self, seq: Sequence, out: SampleOutput, row: int, now: float):
+  def _append_token(self, seq: Sequence, out: SampleOutput, row: int | tuple[int, int],
+                    now: float):
+    """Append the token at `row` of the step's output (a verify step's: (sequence, index))."""
     p = seq.params
     token = int(out.tokens[row])
     seq.output_token_ids.append(token)
@@ -278,7 +405,7 @@ class LLMEngine:
     seq.mark_token_time(now)
     if p.logprobs is not None:
       entry = {token: float(out.logprobs[row])}
-      for tid, lp in zip(out.top_ids[row, :p.logprobs], out.top_logprobs[row, :p.logprobs]):
+      for tid, lp in zip(out.top_ids[row][:p.logprobs], out.top_logprobs[row][:p.logprobs]):
         entry.setdefault(int(tid), float(lp))
       seq.output_logprobs.append(entry)
     n_out = len(seq.output_token_ids)
@@ -378,4 +505,7 @@ class LLMEngine:
         prefix_hit_rate=b.prefix_hits / b.prefix_queries if b.prefix_queries else 0.0,
         num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self.prompt_tokens,
         generation_tokens=self.generation_tokens, num_steps=self.num_steps,
-        weight_bytes=self.runner.weight_bytes, kv_cache_bytes=self.runner.kv_cache_bytes)
+        weight_bytes=self.runner.weight_bytes, kv_cache_bytes=self.runner.kv_cache_bytes,
+        expert_load=(None if self.expert_tokens is None else
+                     ExpertLoad.of(self.model_config.moe_layer_ids, self.expert_tokens)),
+        spec=self.spec_stats.copy() if self.spec_stats is not None else None)

@@ -6,12 +6,16 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jinfer.config import ModelConfig
 from jinfer.engine.scheduler import SchedulerConfig
 from jinfer.engine.step_input import Buckets
 from jinfer.models.kernel_options import KernelOptions
+from jinfer.parallel.mesh import ParallelConfig
+from jinfer.spec.config import SpeculativeConfig
 from pallas_kernels import KVCacheSpec, default_backend
+from pallas_kernels.grouped_matmul import default_backend as default_grouped_matmul_backend
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,6 +32,7 @@ class EngineConfig:
   continuous_batching: bool = True
   attention_backend: str | None = None  # None: by platform (xla on CPU, Pallas elsewhere)
   matmul_backend: str | None = None  # int8 matmul, likewise
+  grouped_matmul_backend: str | None = None  # MoE experts' grouped matmul, likewise
   interpret: bool = False  # run Pallas kernels in interpret mode (CPU testing)
   quantization: str | None = None  # None, "int8" (W8A16) or "w8a8"; applied at load time
   # Run the layer stack under a scan (compiles in seconds) or unrolled (each matmul reads its
@@ -44,14 +49,41 @@ class EngineConfig:
   # so the next process with the same model and options compiles nothing.
   compilation_cache: bool = True
   seed: int = 0  # seeds requests that bring none
+  # Devices (see jinfer/parallel): heads, MLP and vocabulary split over `tensor_parallel_size`
+  # devices; a sequence's KV pages and a step's query rows over `context_parallel_size` (ring
+  # attention, a power of two); `data_parallel_size` engines with their own page pools behind
+  # one front end; MoE experts spread over the tensor devices with `enable_expert_parallel`.
+  tensor_parallel_size: int = 1
+  context_parallel_size: int = 1
+  data_parallel_size: int = 1
+  enable_expert_parallel: bool = False
+  context_layout: str = "zigzag"  # or "plain": how a step's rows lie over the context ranks
+  # Speculative decoding (`SpeculativeConfig`, or its dict or JSON form); None: off.
+  speculative_config: SpeculativeConfig | dict | str | None = None
 
   def __post_init__(self):
+    if self.speculative_config is not None:
+      object.__setattr__(self, "speculative_config",
+                         SpeculativeConfig.parse(self.speculative_config))
     for name in ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens",
                  "max_prefill_seqs"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
     if self.max_num_batched_tokens & (self.max_num_batched_tokens - 1):
       raise ValueError("max_num_batched_tokens must be a power of two (it is the largest bucket)")
+    cp = self.parallel_config().context_parallel_size
+    if cp & (cp - 1):
+      raise ValueError(f"context_parallel_size must be a power of two, got {cp}")
+    if self.max_num_batched_tokens < 2 * cp:
+      raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
+                       f"least 2 x context_parallel_size ({cp}): each rank holds two chunks")
+
+  def parallel_config(self) -> ParallelConfig:
+    return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                          context_parallel_size=self.context_parallel_size,
+                          data_parallel_size=self.data_parallel_size,
+                          enable_expert_parallel=self.enable_expert_parallel,
+                          context_layout=self.context_layout)
 
   def for_model(self, model: ModelConfig) -> "EngineConfig":
     """This config with `max_model_len` capped by what the model supports."""
@@ -63,13 +95,17 @@ class EngineConfig:
     return -(-self.max_model_len // self.page_size)
 
   def resolved_num_pages(self) -> int:
+    """Pages of one engine's pool (over all its context ranks: a multiple of their number)."""
     if self.num_pages is not None:
       if self.num_pages - 1 < self.max_pages_per_seq:
         raise ValueError(f"num_pages={self.num_pages} cannot hold one sequence of max_model_len="
                          f"{self.max_model_len} ({self.max_pages_per_seq} pages + the sink page)")
-      return self.num_pages
-    half = -(-self.max_model_len // 2 // self.page_size)
-    return 1 + max(self.max_pages_per_seq, self.max_num_seqs * half)
+      n = self.num_pages
+    else:
+      half = -(-self.max_model_len // 2 // self.page_size)
+      n = 1 + max(self.max_pages_per_seq, self.max_num_seqs * half)
+    cp = self.context_parallel_size
+    return -(-n // cp) * cp
 
   def unrolled_max_tokens(self) -> int:
     """Steps of at most this many tokens run the unrolled stack, larger ones the scanned one.
@@ -92,20 +128,34 @@ class EngineConfig:
                            continuous_batching=self.continuous_batching)
 
   def buckets(self) -> Buckets:
+    cp = self.context_parallel_size
     return Buckets(max_num_seqs=self.max_num_seqs,
                    max_num_batched_tokens=self.max_num_batched_tokens,
                    max_prefill_seqs=self.max_prefill_seqs,
-                   max_pages_per_seq=self.max_pages_per_seq, max_model_len=self.max_model_len)
+                   max_pages_per_seq=self.max_pages_per_seq, max_model_len=self.max_model_len,
+                   # Single-stream decode runs a 1-token bucket; context parallelism needs
+                   # every bucket a multiple of 2 x CP (each rank holds two chunks).
+                   smallest_bucket=1 if cp == 1 else 2 * cp,
+                   num_speculative_tokens=self.num_speculative_tokens)
+
+  @property
+  def num_speculative_tokens(self) -> int:
+    spec = self.speculative_config
+    return 0 if spec is None else spec.num_speculative_tokens
 
   def kv_spec(self, model: ModelConfig, dtype) -> KVCacheSpec:
     return KVCacheSpec(num_layers=model.num_layers, num_pages=self.resolved_num_pages(),
                        page_size=self.page_size, num_kv_heads=model.num_kv_heads,
                        head_dim=model.head_dim, dtype=dtype)
 
-  def kernel_options(self) -> KernelOptions:
+  def kernel_options(self, mesh: Mesh | None = None) -> KernelOptions:
     return KernelOptions(attention=self.attention_backend or default_backend(),
                          matmul=self.matmul_backend or _default_matmul_backend(),
-                         interpret=self.interpret, quantization=self.quantization)
+                         grouped_matmul=(self.grouped_matmul_backend
+                                         or default_grouped_matmul_backend()),
+                         interpret=self.interpret, quantization=self.quantization, mesh=mesh,
+                         context_layout=self.context_layout,
+                         expert_parallel=self.enable_expert_parallel)
 
 
 def _default_matmul_backend() -> str:

@@ -65,6 +65,10 @@ class Sequence:
   pages: list[int] = dataclasses.field(default_factory=list)
   num_computed_tokens: int = 0
   num_cached_tokens: int = 0  # prompt tokens served by the prefix cache, first admission
+  # Speculative decoding with a draft model: how many of the computed tokens the draft's KV cache
+  # still lacks (1 after a step accepted every draft: the last draft was verified, never fed to
+  # the draft). The draft catches up on them next step; 0 whenever num_computed_tokens resets.
+  draft_lag: int = 0
   status: Status = Status.WAITING
   finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
   stop_reason: int | str | None = None

@@ -4,17 +4,21 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jinfer.accept import Drafts, accept
 from jinfer.config import ModelConfig
 from jinfer.engine import compilation_cache
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
-from jinfer.models import CausalLM, unstack_layers
+from jinfer.models import CausalLM, logical_axes, unstack_layers
 from jinfer.models.kernel_options import KernelOptions
+from jinfer.parallel import distributed, sharding
 from jinfer.quant.qarray import param_bytes
 from jinfer.sample import SampleOutput, sample
 from jinfer.sampling_params import MAX_LOGPROBS
@@ -32,25 +36,51 @@ class PromptLogprobs:
 
 @struct.dataclass
 class StepOutput:
-  sample: SampleOutput  # one token per sequence
-  hidden: jax.Array | None  # [S, E]: final hidden states of the sampled rows, when asked for
+  # One token per sequence ([S]); a verify step's fields are [S, K+1]: the accepted drafts, then
+  # the target's token.
+  sample: SampleOutput
+  num_accepted: jax.Array | None  # [S] int32, verify steps only
+  hidden: jax.Array | None  # [S or R, E]: final hidden states of the logits rows, when asked for
   prompt_logprobs: PromptLogprobs | None  # when the step carries prompt_logprobs requests
+  # [MoE layers, experts] int32: tokens this step routed to each expert (live rows only);
+  # None for a dense model.
+  expert_load: jax.Array | None = None
 
 
-def _step(model: CausalLM, return_hidden: bool, params, kv_cache, inp: StepInput) -> tuple:
-  apply = functools.partial(model.apply, {"params": params}, inp.token_ids, inp.positions,
-                            kv_cache, inp.md, return_hidden=return_hidden)
+def _expert_load(state) -> jax.Array | None:
+  load = state.get("expert_load")
+  return None if load is None else load["tokens_per_expert"][0]
+
+
+def _step(model: CausalLM, return_hidden: bool, params, kv_cache, inp: StepInput,
+          drafts: Drafts | None) -> tuple:
+  token_ids = inp.token_ids
+  if drafts is not None:  # a device proposer's tokens take their verify rows
+    token_ids = token_ids.at[inp.verify.draft_rows].set(drafts.tokens, mode="drop")
+  apply = functools.partial(model.apply, {"params": params}, token_ids, inp.positions,
+                            kv_cache, inp.md, return_hidden=return_hidden,
+                            mutable=["expert_load"])
+  if inp.verify is not None:
+    vt = inp.verify.tensors
+    if drafts is not None:
+      vt = vt.replace(draft_tokens=drafts.tokens)
+    (logits, hidden, kv_cache), state = apply(inp.verify.logits_rows)  # [R, V]
+    out = accept(logits, inp.sampling, vt, None if drafts is None else drafts.probs)
+    return StepOutput(out.sample, out.num_accepted, hidden, None,
+                      _expert_load(state)), kv_cache
   if not inp.prompt_logprobs:
-    logits, hidden, kv_cache = apply(inp.logits_indices)  # [S, V]
-    return StepOutput(sample(logits, inp.sampling), hidden, None), kv_cache
-  rows, hidden, kv_cache = apply()  # [T, V]
+    (logits, hidden, kv_cache), state = apply(inp.logits_indices)  # [S, V]
+    return StepOutput(sample(logits, inp.sampling), None, hidden, None,
+                      _expert_load(state)), kv_cache
+  (rows, hidden, kv_cache), state = apply()  # [T, V]
   lp = jax.nn.log_softmax(rows, axis=-1)
   top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
   target = jnp.take_along_axis(lp, inp.target_ids[:, None], axis=-1)[:, 0]
   return StepOutput(
-      sample(rows[inp.logits_indices], inp.sampling),
+      sample(rows[inp.logits_indices], inp.sampling), None,
       None if hidden is None else hidden[inp.logits_indices],
       PromptLogprobs(target=target, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp),
+      _expert_load(state),
   ), kv_cache
 
 
@@ -58,16 +88,31 @@ class ModelRunner:
   """`params` in the stacked layout. Steps of at most `unrolled_max_tokens` tokens run the
   unrolled stack over per-layer arrays (views of the stacked ones on the CPU, see
   `unstack_layers`), larger steps the scanned stack: `model`, `params` and `_step` are the
-  scanned ones when any step runs scanned, `_small` the unrolled (step, params) beside them."""
+  scanned ones when any step runs scanned, `_small` the unrolled (step, params, model) beside
+  them.
+
+  `mesh`: the devices this runner's params and KV cache live on, laid out by
+  `jinfer.parallel.sharding` (`config` has its KV heads duplicated already where fewer than the
+  tensor axis); the step's outputs come back replicated, so every process can read them. With a
+  mesh every step runs scanned."""
 
   def __init__(self, config: ModelConfig, params: dict, spec: KVCacheSpec, buckets: Buckets, *,
                kernels: KernelOptions, dtype, unrolled_max_tokens: int,
-               return_hidden: bool = False):
-    self.config, self.spec, self.buckets = config, spec, buckets
+               return_hidden: bool = False, mesh: Mesh | None = None,
+               expert_parallel: bool = False):
+    self.config, self.spec, self.buckets, self.mesh = config, spec, buckets, mesh
+    out_shardings = None
+    if mesh is not None:
+      params = sharding.shard_params(params, logical_axes(config), mesh, expert_parallel)
+      out_shardings = (NamedSharding(mesh, P()), sharding.kv_cache_sharding(mesh))
+      # Sharded params run the scanned stack only: the CPU's per-layer views are single-device
+      # arrays that would drop the sharding, and off the CPU the scan reads its weights in
+      # place anyway, so an unrolled variant would only add compiles.
+      unrolled_max_tokens = 0
     self.unrolled_max_tokens = unrolled_max_tokens
     # The cache is donated: XLA updates it in place instead of copying it every step.
     jit = lambda model: jax.jit(functools.partial(_step, model, return_hidden),
-                                donate_argnums=(1,))
+                                donate_argnums=(1,), out_shardings=out_shardings)
     scanned = buckets.token_buckets[-1] > unrolled_max_tokens
     self.model = CausalLM(config, kernels, dtype=dtype, scan_layers=scanned)
     self.params = params if scanned else unstack_layers(params, config.num_layers)
@@ -76,22 +121,34 @@ class ModelRunner:
     if scanned and buckets.token_buckets[0] <= unrolled_max_tokens:
       small = CausalLM(config, kernels, dtype=dtype, scan_layers=False)
       self._small = (jit(small), unstack_layers(params, config.num_layers), small)
-    self.kv_cache = spec.allocate()
+    self._allocate = jax.jit(spec.allocate, out_shardings=None if mesh is None
+                             else sharding.kv_cache_sharding(mesh))
+    self.kv_cache = self._allocate()
     self.cache_resets = 0  # times a failed step consumed the cache and it was rebuilt empty
-    self._shapes_run: set[tuple[int, bool]] = set()
+    self._shapes_run: set[tuple[int, bool, bool]] = set()
+    # Several processes (jinfer/parallel/distributed.py): process 0 announces each step by its
+    # index in this list of every step shape, then sends its input.
+    self._multiprocess = jax.process_count() > 1
+    self._variants = buckets.shapes(True)
 
-  def run(self, inp: StepInput) -> StepOutput:
-    shape = (inp.token_ids.shape[0], inp.prompt_logprobs)
+  def run(self, inp: StepInput, drafts: Drafts | None = None) -> StepOutput:
+    """`drafts`: a device proposer's tokens for a verify step's draft rows (n-gram drafts are
+    in `inp` already)."""
+    shape = (inp.token_ids.shape[0], inp.prompt_logprobs, inp.verify is not None)
+    if self._multiprocess:  # the other processes run the same step on their devices
+      if drafts is not None:
+        raise ValueError("a draft model's proposals cannot be sent to other processes yet")
+      self._announce(self._variants.index(shape), inp)
     if shape in self._shapes_run:
-      return self._run(inp)
+      return self._run(inp, drafts)
     # A shape's first run compiles it (or loads it from the persistent cache): say so, since it
     # takes seconds.
-    log.info("compiling the %d-token step%s (kept in the compilation cache) ...", shape[0],
-             " with prompt logprobs" if shape[1] else "")
+    what = " with prompt logprobs" if shape[1] else " verify" if shape[2] else ""
+    log.info("compiling the %d-token%s step (kept in the compilation cache) ...", shape[0], what)
     t0, hits = time.monotonic(), compilation_cache.cache_hits()
-    out = self._run(inp)
+    out = self._run(inp, drafts)
     self._shapes_run.add(shape)
-    log.info("%d-token step %s in %.1f s", shape[0], "compiled" if hits ==
+    log.info("%d-token%s step %s in %.1f s", shape[0], what, "compiled" if hits ==
              compilation_cache.cache_hits() else "loaded from the compilation cache",
              time.monotonic() - t0)
     return out
@@ -102,26 +159,56 @@ class ModelRunner:
       return self._small[2], self._small[1]
     return self.model, self.params
 
-  def _run(self, inp: StepInput) -> StepOutput:
+  def _run(self, inp: StepInput, drafts: Drafts | None) -> StepOutput:
     try:
       if self._small is not None and inp.token_ids.shape[0] <= self.unrolled_max_tokens:
-        out, self.kv_cache = self._small[0](self._small[1], self.kv_cache, inp)
+        out, self.kv_cache = self._small[0](self._small[1], self.kv_cache, inp, drafts)
       else:
-        out, self.kv_cache = self._step(self.params, self.kv_cache, inp)
+        out, self.kv_cache = self._step(self.params, self.kv_cache, inp, drafts)
     except Exception:
       # The cache was donated to the failed call: if XLA consumed it, start from an empty one
       # (the caller must then treat every cached token as gone).
       if self.kv_cache.is_deleted():
-        self.kv_cache = self.spec.allocate()
+        self.kv_cache = self._allocate()
         self.cache_resets += 1
       raise
     return jax.tree.map(np.asarray, out)
 
-  def warmup(self, with_prompt_logprobs: bool = False) -> float:
-    """Compile every bucket by running an all-padding step of each shape; returns seconds."""
+  def _announce(self, variant: int, inp: StepInput | None = None):
+    distributed.broadcast(np.asarray([variant], np.int32), is_source=True)
+    if inp is not None:
+      distributed.broadcast(inp, is_source=True)
+
+  def follow(self):
+    """On a process other than the leader: run the leader's steps until it closes."""
+    while True:
+      (variant,) = distributed.broadcast(np.zeros(1, np.int32), is_source=False)
+      if variant < 0:
+        return
+      t, prompt_lp, verify = self._variants[variant]
+      template = to_step_input(empty_step_input(self.buckets, t, prompt_lp, verify),
+                               self.buckets)
+      inp = distributed.broadcast(template, is_source=False)
+      try:
+        self._run(inp, None)
+      except Exception:  # the leader's step failed too, and it decides what happens next
+        log.exception("a step failed")
+
+  def close(self):
+    """On the leader of several processes: release the followers."""
+    if self._multiprocess and jax.process_index() == 0:
+      self._announce(-1)
+      self._multiprocess = False
+
+  def warmup(self, with_prompt_logprobs: bool = False,
+             empty_drafts: Callable[[int], Drafts | None] = lambda s: None) -> float:
+    """Compile every bucket by running an all-padding step of each shape; returns seconds.
+    `empty_drafts(S)`: stand-in device drafts for verify steps, when a device proposer has them."""
     t0 = time.monotonic()
-    for t, prompt_lp in self.buckets.shapes(with_prompt_logprobs):
-      self.run(to_step_input(empty_step_input(self.buckets, t, prompt_lp), self.buckets))
+    b = self.buckets
+    for t, prompt_lp, verify in b.shapes(with_prompt_logprobs):
+      self.run(to_step_input(empty_step_input(b, t, prompt_lp, verify), b),
+               empty_drafts(b.num_seqs(t)) if verify else None)
     return time.monotonic() - t0
 
   @property
@@ -132,3 +219,8 @@ class ModelRunner:
   @property
   def kv_cache_bytes(self) -> int:
     return self.kv_cache.nbytes
+
+  def bytes_per_device(self) -> dict:
+    """{device: (weight bytes, KV cache bytes)} for the devices this process holds."""
+    w, kv = sharding.bytes_per_device(self.params), sharding.bytes_per_device(self.kv_cache)
+    return {d: (w.get(d, 0), kv.get(d, 0)) for d in set(w) | set(kv)}

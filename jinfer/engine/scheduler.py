@@ -5,12 +5,18 @@ ones in arrival order while the token budget, `max_num_seqs` and the page pool a
 longer than the remaining budget is chunked. When pages run out the newest running sequence is
 preempted (its pages freed, recomputed later from its tokens so far); the oldest always fits,
 because one sequence of `max_model_len` tokens fits in the pool, so progress is guaranteed.
+
+Speculative decoding: a decoding sequence may get up to k extra rows for draft tokens
+(`lookahead`, decided by the engine), verified in the same step. They take budget and pages like
+any row, but never preempt anyone: short of pages, the sequence decodes one token as usual.
+After the step, `rollback` hands back the pages that only rejected drafts used.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import time
+from typing import Callable
 
 from jinfer.engine.block_manager import BlockManager
 from jinfer.engine.request import Sequence, Status
@@ -28,7 +34,13 @@ class SchedulerConfig:
 @dataclasses.dataclass
 class ScheduledBatch:
   seqs: list[Sequence]
-  num_new_tokens: list[int]  # per sequence, this step
+  num_new_tokens: list[int]  # per sequence, this step, draft rows included
+  num_drafts: list[int] = None  # per sequence: rows for draft tokens (speculative decoding)
+  draft_tokens: list[list[int]] = None  # per sequence: drafts proposed on the host, if any
+
+  def __post_init__(self):
+    self.num_drafts = self.num_drafts or [0] * len(self.seqs)
+    self.draft_tokens = self.draft_tokens or [[] for _ in self.seqs]
 
   @property
   def num_tokens(self) -> int:
@@ -37,8 +49,10 @@ class ScheduledBatch:
 
 class Scheduler:
 
-  def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+  def __init__(self, config: SchedulerConfig, blocks: BlockManager,
+               lookahead: Callable[[Sequence], int] | None = None):
     self.config, self.blocks = config, blocks
+    self.lookahead = lookahead  # draft rows a decoding sequence may verify this step
     self.waiting: collections.deque[Sequence] = collections.deque()
     self.running: list[Sequence] = []
     self.num_preemptions = 0
@@ -69,10 +83,19 @@ class Scheduler:
     seq.pages.extend(pages)
     return True
 
+  def rollback(self, seq: Sequence):
+    """Release the pages past the sequence's computed tokens: those only rejected drafts wrote
+    to. Their slots in the kept pages are left as they are; the next step overwrites them."""
+    keep = self.blocks.pages_needed(seq.num_computed_tokens)
+    if len(seq.pages) > keep:
+      self.blocks.release(seq.pages[keep:])
+      del seq.pages[keep:]
+
   def _preempt(self, seq: Sequence):
     self.running.remove(seq)
     self.blocks.release(seq.pages)
     seq.pages, seq.num_computed_tokens, seq.status = [], 0, Status.WAITING
+    seq.draft_lag = 0
     self.waiting.appendleft(seq)
     self.num_preemptions += 1
 
@@ -87,6 +110,7 @@ class Scheduler:
       return
     seq.pages = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
     seq.num_computed_tokens = len(seq.pages) * self.blocks.page_size
+    seq.draft_lag = 0
     if seq.metrics.first_scheduled_time is None:
       seq.num_cached_tokens = seq.num_computed_tokens
 
@@ -101,6 +125,7 @@ class Scheduler:
     budget = cfg.max_num_batched_tokens
     seqs: list[Sequence] = []
     counts: list[int] = []
+    drafts: list[int] = []
     prefills = 0
 
     # A static batch takes requests at once and runs until all have finished. Without paging a
@@ -122,7 +147,15 @@ class Scheduler:
         self._match_prefix(seq)
         remaining = seq.num_tokens - seq.num_computed_tokens
       n = min(remaining, budget)
-      while not self._grow(seq, n):
+      m = 0
+      if remaining == 1:
+        if budget < 1 + seq.draft_lag:  # its draft model's catch-up rows would not fit
+          break
+        if self.lookahead is not None:
+          m = max(0, min(self.lookahead(seq), budget - 1))
+          if m and not self._grow(seq, 1 + m):
+            m = 0
+      while not self._grow(seq, n + m):
         victim = self.running[-1]
         self._preempt(victim)
         if victim is seq:
@@ -130,9 +163,12 @@ class Scheduler:
       if seq.status is not Status.RUNNING:  # preempted itself: nothing newer left to evict
         break
       seqs.append(seq)
-      counts.append(n)
-      budget -= n
-      prefills += n > 1
+      counts.append(n + m)
+      drafts.append(m)
+      # A draft model also catches up on the tokens it lags behind (see Sequence.draft_lag):
+      # those rows come out of the same budget.
+      budget -= max(n + m, n + seq.draft_lag)
+      prefills += remaining > 1
       i += 1
 
     # 2. Waiting sequences in arrival order.
@@ -157,7 +193,8 @@ class Scheduler:
       self._admit(self.waiting.popleft())
       seqs.append(seq)
       counts.append(n)
+      drafts.append(0)
       budget -= n
-      prefills += n > 1
+      prefills += remaining > 1
     self.waiting.extendleft(reversed(skipped))
-    return ScheduledBatch(seqs, counts)
+    return ScheduledBatch(seqs, counts, drafts)

@@ -5,6 +5,11 @@ Shapes come from a finite bucket set: `T` a power of two up to `max_num_batched_
 step's real sequences need (a decode-only step skips the prefill ones), so one compiled shape
 per `T` serves decode and mixed steps alike. Padding rows write to the sink page and are never
 read.
+
+With speculative decoding (k drafts), a step where some sequence verifies drafts is a verify
+step, a second variant per `T`: each such sequence's rows are `[last, d1..dm]` (m <= k, verify
+rows of the attention contract, `verify_width = k + 1`), and logits come out at
+`R = min(T, S * (k + 1))` rows, every sequence's chain of m + 1 rows (see `jinfer/accept.py`).
 """
 from __future__ import annotations
 
@@ -14,12 +19,20 @@ import jax
 import numpy as np
 from flax import struct
 
+from jinfer.accept import VerifyTensors
 from jinfer.engine.request import Sequence
 from jinfer.engine.scheduler import ScheduledBatch
-from pallas_kernels import AttentionMetadata
 from jinfer.sample import SamplingTensors
+from pallas_kernels import AttentionMetadata
 
 MAX_BANNED = 16  # EOS and stop token ids suppressed while min_tokens is not reached
+
+
+@struct.dataclass
+class VerifyInput:
+  tensors: VerifyTensors
+  draft_rows: jax.Array  # [S, K] int32: the flat row of each draft token (T: none)
+  logits_rows: jax.Array  # [R] int32: the flat rows projected to logits
 
 
 @struct.dataclass
@@ -30,6 +43,7 @@ class StepInput:
   logits_indices: jax.Array  # [S] int32
   sampling: SamplingTensors
   target_ids: jax.Array  # [T] int32: the token each row predicts (for prompt logprobs)
+  verify: VerifyInput | None = None  # a verify step (speculative decoding)
   # Static: project every row to logits and return prompt logprobs.
   prompt_logprobs: bool = struct.field(pytree_node=False, default=False)
 
@@ -49,6 +63,7 @@ class Buckets:
   max_prefill_seqs: int
   max_pages_per_seq: int
   max_model_len: int
+  num_speculative_tokens: int = 0  # k; > 0 adds the verify variant of every bucket
   smallest_bucket: int = 1
 
   @property
@@ -62,18 +77,33 @@ class Buckets:
   def num_seqs(self, t: int) -> int:
     return min(t, self.max_num_seqs)
 
-  def shapes(self, with_prompt_logprobs: bool) -> list[tuple[int, bool]]:
-    """Every (T, prompt_logprobs) the engine can run: what warmup compiles."""
-    return [(t, pl) for t in self.token_buckets for pl in (False, True)[:1 + with_prompt_logprobs]]
+  def verify_rows(self, t: int) -> int:
+    """R: logits rows of a verify step of T tokens."""
+    return min(t, self.num_seqs(t) * (self.num_speculative_tokens + 1))
+
+  def shapes(self, with_prompt_logprobs: bool) -> list[tuple[int, bool, bool]]:
+    """Every (T, prompt_logprobs, verify) the engine can run: what warmup compiles. A step
+    carrying prompt logprobs never verifies drafts."""
+    variants = [(False, False)] + [(True, False)] * with_prompt_logprobs
+    variants += [(False, True)] * (self.num_speculative_tokens > 0)
+    return [(t, pl, v) for t in self.token_buckets for pl, v in variants]
 
   def pick(self, num_tokens: int) -> int:
     return next(t for t in self.token_buckets if t >= num_tokens)
 
 
-def empty_step_input(b: Buckets, t: int, prompt_logprobs: bool = False) -> dict:
+def empty_step_input(b: Buckets, t: int, prompt_logprobs: bool = False,
+                     verify: bool = False) -> dict:
   s = b.num_seqs(t)
   z = lambda *shape: np.zeros(shape, np.int32)
-  return dict(
+  if verify:
+    k, r = b.num_speculative_tokens, b.verify_rows(t)
+    extra = dict(draft_tokens=z(s, k), num_drafts=z(s), row_seq=z(r), row_depth=z(r),
+                 chain=z(s, k + 1), ban_rows=z(s), draft_rows=np.full((s, k), t, np.int32),
+                 logits_rows=z(r))
+  else:
+    extra = {}
+  return extra | dict(
       token_ids=z(t), positions=z(t), slot_mapping=z(t), block_table=z(s, b.max_pages_per_seq),
       kv_lens=z(s), cu_q_lens=z(s + 1), num_seqs=z(1), logits_indices=z(s),
       temperature=np.zeros(s, np.float32), top_k=np.full(s, 1 << 30, np.int32),
@@ -91,29 +121,39 @@ def to_step_input(a: dict, b: Buckets) -> StepInput:
       slot_mapping=a["slot_mapping"], block_table=a["block_table"], kv_lens=a["kv_lens"],
       cu_q_lens=a["cu_q_lens"], num_seqs=a["num_seqs"], max_q_len=t,
       max_prefill_seqs=b.max_prefill_seqs)
-  fields = {f.name for f in dataclasses.fields(SamplingTensors)}
+  pick = lambda cls: cls(**{f.name: a[f.name] for f in dataclasses.fields(cls)})
+  verify = None
+  if "draft_rows" in a:
+    md = md.replace(verify_width=b.num_speculative_tokens + 1)
+    verify = VerifyInput(tensors=pick(VerifyTensors), draft_rows=a["draft_rows"],
+                         logits_rows=a["logits_rows"])
   return StepInput(token_ids=a["token_ids"], positions=a["positions"], md=md,
-                   logits_indices=a["logits_indices"],
-                   sampling=SamplingTensors(**{k: a[k] for k in fields}),
-                   target_ids=a["target_ids"], prompt_logprobs=a["prompt_logprobs"])
+                   logits_indices=a["logits_indices"], sampling=pick(SamplingTensors),
+                   target_ids=a["target_ids"], verify=verify, prompt_logprobs=a["prompt_logprobs"])
 
 
 def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
                      eos_ids: tuple[int, ...]) -> StepInput:
   n_tok = batch.num_tokens
-  t = b.pick(max(n_tok, len(batch.seqs)))
+  # A draft model's own pass over the batch leaves out the drafts and adds the tokens it lags
+  # behind; its rows must fit the same bucket.
+  n_draft = sum(n - m + s.draft_lag for s, n, m in zip(batch.seqs, batch.num_new_tokens,
+                                                       batch.num_drafts))
+  t = b.pick(max(n_tok, n_draft, len(batch.seqs)))
   want_prompt_lp = any(
       s.params.prompt_logprobs is not None and s.num_computed_tokens < len(s.prompt_token_ids)
       for s in batch.seqs)
-  a = empty_step_input(b, t, want_prompt_lp)
+  verify = any(batch.num_drafts)
+  assert not (verify and want_prompt_lp), "a step carrying prompt logprobs verifies no drafts"
+  a = empty_step_input(b, t, want_prompt_lp, verify)
   a["num_seqs"][0] = len(batch.seqs)
   any_penalty = any(_has_penalty(s) for s in batch.seqs)
-  off = 0
-  for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+  off = r = 0
+  for i, (seq, n, m) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.num_drafts)):
     try:
       start = seq.num_computed_tokens
       pos = np.arange(start, start + n)
-      a["token_ids"][off:off + n] = seq.token_ids[start:start + n]
+      a["token_ids"][off:off + n - m] = seq.token_ids[start:start + n - m]
       if want_prompt_lp:
         nxt = seq.token_ids[start + 1:start + n + 1]
         a["target_ids"][off:off + len(nxt)] = nxt
@@ -126,6 +166,17 @@ def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
       a["cu_q_lens"][i + 1] = off
       a["logits_indices"][i] = off - 1
       p = seq.params
+      if verify:  # the chain: the last token's row, then one per draft
+        a["token_ids"][off - m:off] = batch.draft_tokens[i] or 0  # a device proposer fills them
+        a["draft_tokens"][i, :len(batch.draft_tokens[i])] = batch.draft_tokens[i]
+        a["draft_rows"][i, :m] = np.arange(off - m, off)
+        a["num_drafts"][i] = m
+        a["logits_rows"][r:r + m + 1] = np.arange(off - m - 1, off)
+        a["row_seq"][r:r + m + 1] = i
+        a["row_depth"][r:r + m + 1] = np.arange(m + 1)
+        a["chain"][i] = r + np.minimum(np.arange(b.num_speculative_tokens + 1), m)
+        a["ban_rows"][i] = max(0, p.min_tokens - len(seq.output_token_ids))
+        r += m + 1
       a["temperature"][i] = p.temperature
       if p.top_k > 0:
         a["top_k"][i] = p.top_k

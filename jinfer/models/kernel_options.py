@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jax.sharding import Mesh
+
 QUANTIZATIONS = (None, "int8", "w8a8")
 
 
@@ -10,10 +12,16 @@ QUANTIZATIONS = (None, "int8", "w8a8")
 class KernelOptions:
   attention: str = "xla"  # ragged_paged_attention backend
   matmul: str = "reference"  # int8_matmul backend (used only when quantized)
+  grouped_matmul: str = "xla"  # grouped_matmul backend: MoE experts
   interpret: bool = False  # Pallas kernels in interpret mode (CPU testing)
   # None: float weights. "int8": int8 weights with per-output-channel scales, float activations
   # (W8A16). "w8a8": activations quantized per token too, int32 accumulation.
   quantization: str | None = None
+  # Devices the model runs over: attention runs per shard of this `(context, tensor)` mesh (see
+  # jinfer/parallel/attention.py); None is one device.
+  mesh: Mesh | None = None
+  context_layout: str = "zigzag"  # how a step's query rows lie over the context ranks
+  expert_parallel: bool = False  # MoE experts split over the mesh's tensor axis, whole
 
   def __post_init__(self):
     if self.quantization not in QUANTIZATIONS:

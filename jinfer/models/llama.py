@@ -1,8 +1,10 @@
-"""Decoder-only Llama family in flax.linen: Llama 2/3/3.1, Mistral, Qwen2, Qwen3.
+"""Decoder-only Llama family in flax.linen: Llama 2/3/3.1, Mistral, Qwen2, Qwen3, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 The differences are config switches: q/k/v biases (Qwen2), q/k RMSNorm (Qwen3), per-layer
 sliding windows (Mistral, Qwen2), rope scaling (Llama 3.1), tied embeddings, GQA/MQA by head
-counts. Per-layer differences (a layer's window) are scanned values, never Python branches.
+counts, MoE feed-forward layers (`jinfer/models/moe.py`). Per-layer differences (a layer's
+window, whether its feed-forward is dense or MoE) are scanned values, never Python branches.
 
 The layer stack has one params layout: every per-layer param stacked on a leading `layers` axis
 (`params["layers"]`). It runs two ways over it:
@@ -15,6 +17,18 @@ The layer stack has one params layout: every per-layer param stacked on a leadin
     layers' arrays are views of the stacked ones, so an engine runs both from one copy of the
     weights (small decode steps unrolled, prefill and large batches scanned).
 Either way one KV cache array holds every layer and is updated in place.
+
+Feed-forward kinds. When every layer's feed-forward is the same kind, it is part of the layer:
+`layers/mlp` (dense) or `layers/moe`. When dense and MoE layers mix (Qwen-MoE's
+`decoder_sparse_step`, `mlp_only_layers`), `layers` holds what every layer has (attention and
+norms) and each kind is stacked over its own layers beside it: `mlp_layers` `[dense layers,
+...]` and `moe_layers` `[MoE layers, ...]`. A layer picks its own with a `lax.cond` on its
+scanned kind and its scanned index into that kind's stack. Params stay honest (no dense layer
+carries experts, no MoE layer a dense MLP) and each kind compiles once, where splitting the
+stack into runs of one kind would compile every run (every layer, for alternating kinds).
+
+MoE layers report their expert load, tokens routed to each expert `[MoE layers, experts]`
+(live rows only), in the `expert_load` collection (`apply(..., mutable=["expert_load"])`).
 
 Every param is created with its logical axis names (`logical_axes(config)`), and linear
 kernels with what contracts (`linear_kernels(config)`), so sharding rules and the quantizer work
@@ -32,28 +46,16 @@ from flax import struct
 
 from jinfer.config import ModelConfig
 from jinfer.models.kernel_options import KernelOptions
+from jinfer.models.moe import MoE
+from jinfer.models.params import LinearKernel, default_init as _init, param as _param
 from jinfer.quant.qarray import QArray
-from pallas_kernels import AttentionMetadata, int8_matmul, ragged_paged_attention, write_kv
+from jinfer.parallel.attention import paged_attention
+from pallas_kernels import AttentionMetadata, int8_matmul
 
-_init = nn.initializers.normal(0.02)
 NO_WINDOW = 1 << 30  # a per-layer window that never excludes a key
 # A quantized tied LM head keeps float activations even under W8A8: rounding the final hidden
 # state per token cost W8A8 another point of perplexity on the pydoc text (+5.4% vs +4.4%).
 HEAD_MODE = "w8a16"
-
-
-class LinearKernel(nn.LogicallyPartitioned):
-  """A linear layer's kernel box: logical names plus how many leading (after any stacked
-  `layers`/`expert` axes) axes contract with the input and how many are outputs, and whether
-  the outputs come first (a tied embedding `[vocab, embed]` as the LM head's kernel)."""
-  n_in: int = struct.field(pytree_node=False, default=1)
-  n_out: int = struct.field(pytree_node=False, default=1)
-  transposed: bool = struct.field(pytree_node=False, default=False)
-
-
-def _param(mod: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
-           init=_init) -> jax.Array:
-  return mod.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
 
 
 class Linear(nn.Module):
@@ -120,6 +122,10 @@ class LayerInputs:
   """What differs from one layer to the next besides its params (scanned over)."""
   index: jax.Array  # [] int32: the layer's slot in the KV cache
   window: jax.Array | None  # [] int32 sliding window (NO_WINDOW: none); None: no layer has one
+  # When dense and MoE layers mix (else None): [] bool, an MoE layer; [] int32, the layer's slot
+  # in its kind's stack (`moe_layers` or `mlp_layers`).
+  moe: jax.Array | None = None
+  ffn_index: jax.Array | None = None
 
 
 class Attention(nn.Module):
@@ -141,10 +147,10 @@ class Attention(nn.Module):
       q = RMSNorm(d, c.rms_norm_eps, self.dtype, name="q_norm")(q)
       k = RMSNorm(d, c.rms_norm_eps, self.dtype, name="k_norm")(k)
     q, k = rope(q, cos, sin), rope(k, cos, sin)
-    kv_cache = write_kv(kv_cache, layer.index, k, v, md.slot_mapping)
-    o = ragged_paged_attention(q, kv_cache, md, layer=layer.index, sm_scale=d ** -0.5,
-                               sliding_window=layer.window, backend=kn.attention,
-                               interpret=kn.interpret)
+    o, kv_cache = paged_attention(q, k, v, kv_cache, md, layer=layer.index,
+                                  sliding_window=layer.window, sm_scale=d ** -0.5,
+                                  backend=kn.attention, interpret=kn.interpret, mesh=kn.mesh,
+                                  context_layout=kn.context_layout)
     out = Linear((hq, d, e), ("q_heads", "head_dim", "embed"), kn, n_in=2, dtype=self.dtype,
                  name="o_proj")(o)  # [T, E]
     return out, kv_cache
@@ -154,14 +160,22 @@ class MLP(nn.Module):
   config: ModelConfig
   kernels: KernelOptions
   dtype: Any
+  features: int | None = None  # the hidden width; default `intermediate_size`
 
   @nn.compact
   def __call__(self, x):
-    e, f, kn = self.config.hidden_size, self.config.intermediate_size, self.kernels
+    e, f, kn = self.config.hidden_size, self.features or self.config.intermediate_size, self.kernels
     gate = Linear((e, f), ("embed", "mlp"), kn, dtype=self.dtype, name="gate_proj")(x)
     up = Linear((e, f), ("embed", "mlp"), kn, dtype=self.dtype, name="up_proj")(x)
     return Linear((f, e), ("mlp", "embed"), kn, dtype=self.dtype,
                   name="down_proj")(nn.silu(gate) * up)
+
+
+def _moe(config: ModelConfig, kernels: KernelOptions, dtype, **kw) -> MoE:
+  # parent=None: made here, the shared expert becomes the MoE block's child, not the caller's.
+  shared = (MLP(config, kernels, dtype, features=config.shared_expert_intermediate_size,
+                parent=None) if config.shared_expert_intermediate_size else None)
+  return MoE(config, kernels, dtype, shared_expert=shared, **kw)
 
 
 class DecoderLayer(nn.Module):
@@ -170,24 +184,57 @@ class DecoderLayer(nn.Module):
   dtype: Any
 
   @nn.compact
-  def __call__(self, carry, layer: LayerInputs, cos, sin, md):
+  def __call__(self, carry, layer: LayerInputs, cos, sin, md, live, ffn_stacks):
+    """-> ((x, kv_cache), this layer's expert load [experts] int32, or None in a dense model)."""
     x, kv_cache = carry  # [T, E], the whole cache
-    c = self.config
-    h, kv_cache = Attention(c, self.kernels, self.dtype, name="attn")(
+    c, kn = self.config, self.kernels
+    h, kv_cache = Attention(c, kn, self.dtype, name="attn")(
         RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="input_norm")(x), cos, sin,
         kv_cache, md, layer)
     x = x + h
-    x = x + MLP(c, self.kernels, self.dtype, name="mlp")(
-        RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="post_attn_norm")(x))
-    return (x, kv_cache), None
+    y = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="post_attn_norm")(x)
+    load = None
+    if ffn_stacks is not None:  # dense and MoE layers mix: this layer's own from its kind's stack
+      own = lambda stack: jax.tree.map(lambda a: a[layer.ffn_index], stack)
+      y, load = jax.lax.cond(
+          layer.moe,
+          lambda: _moe(c, kn, self.dtype).apply({"params": own(ffn_stacks["moe_layers"])}, y, live),
+          lambda: (MLP(c, kn, self.dtype).apply({"params": own(ffn_stacks["mlp_layers"])}, y),
+                   jnp.zeros((c.num_experts,), jnp.int32)))
+    elif any(c.moe_layers):
+      y, load = _moe(c, kn, self.dtype, name="moe")(y, live)
+    else:
+      y = MLP(c, kn, self.dtype, name="mlp")(y)
+    return (x + y, kv_cache), load
+
+
+def _mixed_ffn(config: ModelConfig) -> bool:
+  return len(set(config.moe_layers)) > 1
 
 
 def _layer_inputs(config: ModelConfig) -> LayerInputs:  # each field [L]
-  windows = config.sliding_windows
+  windows, moe = config.sliding_windows, np.asarray(config.moe_layers)
+  mixed = _mixed_ffn(config)
   return LayerInputs(
       index=jnp.arange(config.num_layers, dtype=jnp.int32),
       window=None if all(w is None for w in windows) else jnp.asarray(
-          [NO_WINDOW if w is None else w for w in windows], jnp.int32))
+          [NO_WINDOW if w is None else w for w in windows], jnp.int32),
+      moe=jnp.asarray(moe) if mixed else None,
+      # The i-th layer of a kind is slot i of that kind's stack.
+      ffn_index=jnp.asarray(np.where(moe, np.cumsum(moe), np.cumsum(~moe)) - 1, jnp.int32)
+      if mixed else None)
+
+
+def _stacked(mod: nn.Module, name: str, n: int, module: nn.Module, *args) -> dict:
+  """Params of `n` copies of `module` (initialized on `args`), stacked on a leading `layers`
+  axis, as the param subtree `name` of `mod`."""
+  def init(rng):
+    # lax.map, not vmap: flax traces this again on every apply to check the shapes, and not
+    # every grouped matmul backend has a batching rule.
+    boxes = jax.lax.map(lambda r: module.init(r, *args)["params"], jax.random.split(rng, n))
+    return jax.tree.map(lambda b: b.replace(names=("layers",) + b.names), boxes,
+                        is_leaf=_is_box)
+  return mod.param(name, init)
 
 
 class CausalLM(nn.Module):
@@ -226,16 +273,31 @@ class CausalLM(nn.Module):
     emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
     cos, sin = jnp.cos(emb).astype(self.dtype), jnp.sin(emb).astype(self.dtype)
     layers = _layer_inputs(c)
+    live = jnp.arange(token_ids.shape[0]) < md.cu_q_lens[md.num_seqs[0]]  # [T]: not padding
+    ffn_stacks = None
+    if _mixed_ffn(c):
+      row = jnp.zeros((1, c.hidden_size), self.dtype)
+      moe_ids = c.moe_layer_ids
+      ffn_stacks = {
+          "moe_layers": _stacked(self, "moe_layers", len(moe_ids),
+                                 _moe(c, self.kernels, self.dtype), row, jnp.ones((1,), bool)),
+          "mlp_layers": _stacked(self, "mlp_layers", c.num_layers - len(moe_ids),
+                                 MLP(c, self.kernels, self.dtype), row)}
     if self.scan_layers:
       stack = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-                      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                      in_axes=(0,) + (nn.broadcast,) * 5,
                       length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-      (x, kv_cache), _ = stack(c, self.kernels, self.dtype, name="layers")(
-          (x, kv_cache), layers, cos, sin, md)
+      (x, kv_cache), loads = stack(c, self.kernels, self.dtype, name="layers")(
+          (x, kv_cache), layers, cos, sin, md, live, ffn_stacks)
     else:
+      loads = []
       for i in range(c.num_layers):
-        (x, kv_cache), _ = DecoderLayer(c, self.kernels, self.dtype, name=f"layers_{i}")(
-            (x, kv_cache), jax.tree.map(lambda a: a[i], layers), cos, sin, md)
+        (x, kv_cache), load = DecoderLayer(c, self.kernels, self.dtype, name=f"layers_{i}")(
+            (x, kv_cache), jax.tree.map(lambda a: a[i], layers), cos, sin, md, live, ffn_stacks)
+        loads.append(load)
+      loads = jnp.stack(loads) if any(c.moe_layers) else None
+    if loads is not None:  # [L, experts] -> the MoE layers' rows
+      self.sow("expert_load", "tokens_per_expert", loads[np.asarray(c.moe_layer_ids)])
     x = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="norm")(x)
     if logits_indices is not None:
       x = x[logits_indices]  # [S, E]
@@ -271,11 +333,16 @@ def unstack_layers(params: dict, num_layers: int) -> dict:
 
 
 def _layer_view(a: jax.Array, i: int) -> jax.Array:
-  if not isinstance(a, jax.Array) or any(d.platform != "cpu" for d in a.devices()):
+  # A sharded array slices as usual: a host view would land on one device and lose its layout.
+  if (not isinstance(a, jax.Array) or len(a.devices()) != 1
+      or next(iter(a.devices())).platform != "cpu"):
     return a[i]
   # np.asarray of a CPU array is a view of its buffer, and device_put of an aligned host array
   # aliases it on the CPU (an unaligned one is copied, which costs memory, not correctness).
-  return jax.device_put(np.asarray(a)[i], next(iter(a.devices())))
+  # The view is committed only where the stacked array is: a step's outputs (the KV cache) are
+  # committed when any input is, and a cache whose commitment changes between steps recompiles
+  # the step that saw it the other way.
+  return jax.device_put(np.asarray(a)[i], next(iter(a.devices())) if a.committed else None)
 
 
 def _abstract_params(config: ModelConfig, dtype=jnp.float32,

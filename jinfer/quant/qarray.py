@@ -6,7 +6,7 @@ many of its axes contract with the input. Values are laid out `[lead..., in..., 
 head contracts over its last axis). Any leading axes (a stacked `layers` axis, an `expert`
 axis) are batch axes: every layer's and every expert's channels get their own scales, so nothing
 is ever mixed across them. Which weights quantize, and over which axes, comes from what each
-linear layer declares about its kernel (`LinearKernel` boxes, see `jinfer/models/llama.py`), never
+linear layer declares about its kernel (`LinearKernel` boxes, see `jinfer/models/params.py`), never
 from parameter names.
 """
 from __future__ import annotations

@@ -106,6 +106,23 @@ class ServerMetrics:
     metric("jinfer_generation_tokens_total", "counter", "Tokens generated.",
            s.generation_tokens)
     metric("jinfer_engine_steps_total", "counter", "Engine steps run.", s.num_steps)
+    if s.spec is not None:  # speculative decoding, named as vLLM names it
+      sp = s.spec
+      metric("jinfer_spec_decode_num_drafts_total", "counter",
+             "Sequence-steps that verified draft tokens.", sp.num_verified)
+      metric("jinfer_spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.",
+             sp.num_draft_tokens)
+      metric("jinfer_spec_decode_num_accepted_tokens_total", "counter",
+             "Draft tokens accepted.", sp.num_accepted_tokens)
+      name = "jinfer_spec_decode_num_accepted_tokens_per_pos_total"
+      lines += [f"# HELP {name} Draft tokens accepted, by position in the draft (0 = first).",
+                f"# TYPE {name} counter"]
+      lines += [f'{name}{{{lab},position="{i}"}} {n}'
+                for i, n in enumerate(sp.accepted_per_position)]
+      metric("jinfer_spec_decode_mean_tokens_per_verify", "gauge",
+             "Tokens a sequence gains per step that verifies drafts.", sp.mean_tokens_per_verify)
+      metric("jinfer_spec_decode_proposer_time_share", "gauge",
+             "Fraction of engine step time spent proposing drafts.", sp.proposer_time_share)
     name = "jinfer_requests_finished_total"
     lines += [f"# HELP {name} Requests ended, by reason: stop and length count samples, "
               f"abort and error count engine requests.",

@@ -9,8 +9,11 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from jinfer.engine.async_engine import AsyncLLMEngine
+from jinfer.engine.data_parallel import create_engine
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
+from jinfer.parallel import distributed
+from jinfer.parallel.distributed import DistributedConfig
 from jinfer.serving.app import build_app
 from jinfer.serving.options import ServerOptions
 
@@ -76,17 +79,27 @@ def build_server(engine: LLMEngine, *, model_name: str, options: ServerOptions =
 
 
 def serve(model: str, *, options: ServerOptions = ServerOptions(),
-          served_model_name: str | None = None, config: EngineConfig | None = None):
+          served_model_name: str | None = None, config: EngineConfig | None = None,
+          distributed_config: DistributedConfig = DistributedConfig()):
+  """Several processes: process 0 serves HTTP; the others run its steps until it stops."""
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  distributed.initialize(distributed_config)
+  config = config or EngineConfig()
+  if not distributed_config.is_leader:
+    create_engine(model, config=config, warmup=False).runner.follow()
+    return
   # Bind before the minute-long model load and warmup, so a taken port fails at once.
   sock = socket.create_server((options.host, options.port),
                               family=socket.AF_INET6 if ":" in options.host else socket.AF_INET)
   if options.api_key is None and options.host not in ("127.0.0.1", "::1", "localhost"):
     log.warning("serving %s without an API key: anyone who can reach it can use it",
                 options.host)
-  engine = LLMEngine(model, config=config)
+  engine = create_engine(model, config=config)
   name = served_model_name or model
   log.info("engine ready: warmup %.1f s; serving %s on http://%s:%d/v1", engine.warmup_seconds,
            name, options.host, options.port)
   server = build_server(engine, model_name=name, options=options)
-  server.run(sockets=[sock])
+  try:
+    server.run(sockets=[sock])
+  finally:
+    engine.close()

@@ -4,6 +4,13 @@ The config comes from the `<arch>.*` and `tokenizer.ggml.*` metadata. Tensors ar
 names, dequantized one at a time with `gguf.quants` (the file itself is memory-mapped), and
 llama.cpp's rotary permutation of Q/K is undone exactly as transformers undoes it, so
 `hf_to_params` sees the same tensors `AutoModelForCausalLM.from_pretrained(gguf_file=...)` would.
+
+Mixture-of-experts files: Mixtral (llama.cpp writes it as `llama` with `expert_count`),
+`qwen2moe` and `qwen3moe`. Experts are stacked `blk.N.ffn_{gate,up,down}_exps` tensors, served
+as transformers 5's fused `experts.gate_up_proj` / `experts.down_proj`; the router is
+`ffn_gate_inp`, Qwen2-MoE's shared expert `ffn_{gate,up,down}_shexp` and its gate
+`ffn_gate_inp_shexp`. A layer is an MoE layer when it has a router: GGUF metadata has no
+`decoder_sparse_step`, so mixed dense/MoE files are read from their tensors.
 """
 from __future__ import annotations
 
@@ -25,8 +32,10 @@ _Q = GGMLQuantizationType
 SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1,
                    _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)
 
-# GGUF `general.architecture` -> jinfer architecture. llama.cpp also writes Mistral as "llama".
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF `general.architecture` -> jinfer architecture. llama.cpp also writes Mistral as "llama",
+# and Mixtral as "llama" with experts.
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
+                  "qwen3moe": "qwen3_moe"}
 
 _GLOBAL_NAMES = {  # GGUF tensor -> HF tensor
     "token_embd.weight": "model.embed_tokens.weight",
@@ -45,7 +54,15 @@ _LAYER_NAMES = {  # blk.N.<GGUF> -> model.layers.N.<HF>, without the .weight/.bi
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# transformers' fused expert tensors -> the stacked GGUF tensors they are made of, in order.
+_EXPERTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
+_HF_EXPERTS_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)")
@@ -170,9 +187,6 @@ def gguf_config(reader: GGUFFile, source: str) -> ModelConfig:
       raise WeightError(f"{source}: missing metadata {arch}.{key}")
     return value
 
-  if gguf_value(reader, f"{arch}.expert_count"):
-    raise WeightError(f"{source}: mixture-of-experts GGUF files ({arch}.expert_count="
-                      f"{gguf_value(reader, f'{arch}.expert_count')}) are not supported")
   hidden, heads = need("embedding_length"), need("attention.head_count")
   rope_dim = gguf_value(reader, f"{arch}.rope.dimension_count")
   # transformers reads Llama's head dim from the rope dimension; newer files also state it.
@@ -199,8 +213,9 @@ def gguf_config(reader: GGUFFile, source: str) -> ModelConfig:
   if vocab is None:
     raise WeightError(f"{source}: no tokenizer.ggml.tokens or {arch}.vocab_size to size the vocab")
   eos = [gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+  moe = _moe_config(reader, arch, need, tensors, source)
   return ModelConfig(
-      architecture=_ARCHITECTURES[arch],
+      architecture="mixtral" if arch == "llama" and moe else _ARCHITECTURES[arch],
       vocab_size=vocab,
       hidden_size=hidden,
       intermediate_size=need("feed_forward_length"),
@@ -214,11 +229,52 @@ def gguf_config(reader: GGUFFile, source: str) -> ModelConfig:
       max_position_embeddings=gguf_value(reader, f"{arch}.context_length", 2048),
       # llama.cpp writes no output projection when it is the embedding matrix.
       tie_word_embeddings="output.weight" not in tensors,
-      attention_bias=arch == "qwen2",
-      qk_norm=arch == "qwen3",
+      attention_bias=arch in ("qwen2", "qwen2moe"),
+      qk_norm=arch in ("qwen3", "qwen3moe"),
       bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
       eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
+      **moe,
   )
+
+
+def _moe_config(reader: GGUFFile, arch: str, need, tensors: dict, source: str) -> dict[str, Any]:
+  """ModelConfig's MoE fields from `<arch>.expert_*` metadata; which layers are MoE layers from
+  the tensors (a router `ffn_gate_inp` per MoE layer)."""
+  experts = gguf_value(reader, f"{arch}.expert_count")
+  if not experts:
+    if arch in ("qwen2moe", "qwen3moe"):
+      raise WeightError(f"{source}: {arch} file without {arch}.expert_count")
+    return {}
+  if (gating := gguf_value(reader, f"{arch}.expert_gating_func")) not in (None, 1):
+    raise WeightError(f"{source}: unsupported {arch}.expert_gating_func={gating} (jinfer routes "
+                      f"with softmax, 1)")
+  if (scale := gguf_value(reader, f"{arch}.expert_weights_scale")) not in (None, 1.0):
+    raise WeightError(f"{source}: unsupported {arch}.expert_weights_scale={scale} (only 1)")
+  if (shared := gguf_value(reader, f"{arch}.expert_shared_count")) not in (None, 0, 1):
+    raise WeightError(f"{source}: {arch}.expert_shared_count={shared}: jinfer supports one "
+                      f"shared expert")
+  if any(re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", n) for n in tensors):
+    raise WeightError(f"{source}: experts stored one tensor each (blk.N.ffn_gate.E.weight, an "
+                      f"old llama.cpp layout) are not supported; convert the model again to get "
+                      f"stacked blk.N.ffn_gate_exps tensors")
+  layers = need("block_count")
+  moe_layers = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(layers))
+  if not any(moe_layers):
+    raise WeightError(f"{source}: {arch}.expert_count={experts} but no layer has a router "
+                      f"(blk.N.ffn_gate_inp.weight)")
+  # llama.cpp renormalizes the top-k weights of Mixtral and Qwen3-MoE, not of Qwen2-MoE.
+  norm = gguf_value(reader, f"{arch}.expert_weights_norm", arch != "qwen2moe")
+  return dict(
+      num_experts=experts,
+      num_experts_per_tok=need("expert_used_count"),
+      # Mixtral's experts are its feed-forward: llama.cpp writes their width as the FFN's.
+      moe_intermediate_size=gguf_value(reader, f"{arch}.expert_feed_forward_length")
+      or need("feed_forward_length"),
+      shared_expert_intermediate_size=(
+          need("expert_shared_feed_forward_length") if any(
+              n.endswith("ffn_gate_shexp.weight") for n in tensors) else 0),
+      norm_topk_prob=bool(norm),
+      moe_layers=moe_layers)
 
 
 def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
@@ -231,10 +287,18 @@ def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
   reader = open_gguf(path)
   config = gguf_config(reader, path)
   by_hf_name = {hf: t for t in reader.tensors if (hf := gguf_to_hf_name(t.name))}
-  # llama.cpp permutes Q/K rows only for its llama architecture; Qwen already uses HF's rope.
-  permute = config.architecture == "llama"
+  by_name = {t.name: t for t in reader.tensors}
+  # llama.cpp permutes Q/K rows only for its llama architecture (Mixtral's too); Qwen already
+  # uses HF's rope.
+  permute = gguf_value(reader, "general.architecture") == "llama"
 
   def get(name: str) -> np.ndarray:
+    if m := _HF_EXPERTS_RE.fullmatch(name):  # [X, rows, cols] each, rows joined
+      parts = [f"blk.{m[1]}.{part}.weight" for part in _EXPERTS[m[2]]]
+      for part in parts:
+        if part not in by_name:
+          raise WeightError(f"{path}: missing tensor {part!r} (part of HF {name!r})")
+      return np.concatenate([_dequantized(by_name[p], path) for p in parts], axis=1)
     t = by_hf_name.get(name)
     if t is None:
       raise WeightError(f"{path}: missing tensor {hf_to_gguf_name(name)!r} (HF {name!r})")
@@ -249,6 +313,8 @@ def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
         # Rows dequantize independently: moving the stored rows ([rows, row bytes] for block
         # types) copies a fraction of the bytes that moving the float32 rows would.
         t = t._replace(data=_unpermute_rope(t.data, heads))
-    return _dequantized(t, path)
+    w = _dequantized(t, path)
+    # llama.cpp stores the shared expert's gate as a vector; transformers' is a [1, E] linear.
+    return w[None] if name.endswith("shared_expert_gate.weight") else w
 
   return config, hf_to_params(config, get, dtype=dtype, source=path)

@@ -4,6 +4,11 @@ A loader only has to answer "give me the HF-named tensor as numpy" (GGUF loaders
 un-permute first); this module knows which tensors a config needs, checks their shapes and
 rearranges them into the model's `[in..., out...]` kernels, per-layer tensors written straight
 into their slot of the stacked `[L, ...]` arrays.
+
+MoE experts come in either layout transformers writes and reads: one tensor per expert
+(`experts.N.{gate,up,down}_proj`, Mixtral's `block_sparse_moe.experts.N.{w1,w3,w2}`) or
+transformers 5's fused `experts.gate_up_proj [E, 2I, H]` (gate first) and
+`experts.down_proj [E, H, I]`; a layer's experts are read in whichever its file has.
 """
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ def _expect(arr: np.ndarray, shape: tuple[int, ...], name: str, source: str) -> 
   return arr
 
 
+Fetch = Callable[[int], dict[tuple[str, ...], np.ndarray]]  # layer -> {params path: tensor}
+
+
 def hf_to_params(config: ModelConfig, get: Callable[[str], np.ndarray], *, dtype=jnp.float32,
                  source: str) -> dict:
   """Build params from HF-named tensors. `get(name)` raises KeyError for a missing tensor."""
@@ -40,7 +48,12 @@ def hf_to_params(config: ModelConfig, get: Callable[[str], np.ndarray], *, dtype
       raise WeightError(f"{source}: missing tensor {name!r}") from None
     return _expect(np.asarray(arr), shape, name, source)
 
-  # Per-layer tensors: (params path, HF name after "model.layers.N.", HF shape, to our layout).
+  def plain(tensors: list) -> list[Fetch]:
+    """(params path, HF name after "model.layers.N.", HF shape, to our layout) -> fetches."""
+    return [lambda i, path=path, hf=hf, shape=shape, to=to: {
+        path: (to or np.asarray)(t(f"model.layers.{i}.{hf}", shape))}
+        for path, hf, shape, to in tensors]
+
   proj = lambda heads: lambda w: w.T.reshape(e, heads, d)  # HF [heads*D, E] -> [E, heads, D]
   layer_tensors = [
       (("input_norm", "scale"), "input_layernorm.weight", (e,), None),
@@ -50,9 +63,6 @@ def hf_to_params(config: ModelConfig, get: Callable[[str], np.ndarray], *, dtype
       (("attn", "v_proj", "kernel"), "self_attn.v_proj.weight", (hkv * d, e), proj(hkv)),
       (("attn", "o_proj", "kernel"), "self_attn.o_proj.weight", (e, hq * d),
        lambda w: w.T.reshape(hq, d, e)),
-      (("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight", (f, e), np.transpose),
-      (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", (f, e), np.transpose),
-      (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", (e, f), np.transpose),
   ]
   if c.attention_bias:
     for name, heads in (("q_proj", hq), ("k_proj", hkv), ("v_proj", hkv)):
@@ -62,25 +72,92 @@ def hf_to_params(config: ModelConfig, get: Callable[[str], np.ndarray], *, dtype
     for name in ("q_norm", "k_norm"):
       layer_tensors.append((("attn", name, "scale"), f"self_attn.{name}.weight", (d,), None))
 
-  layers: dict = {}
-  for path, hf_name, shape, to_ours in layer_tensors:
-    stacked = None
-    for i in range(c.num_layers):
-      w = t(f"model.layers.{i}.{hf_name}", shape)
-      w = to_ours(w) if to_ours is not None else w
-      if stacked is None:
-        stacked = np.empty((c.num_layers,) + w.shape, host)
-      stacked[i] = w
-    node = layers
-    for key in path[:-1]:
-      node = node.setdefault(key, {})
-    node[path[-1]] = jnp.asarray(stacked, dtype=dtype)
+  def stack(fetches: list[Fetch], layer_ids: list[int], prefix: tuple[str, ...] = ()) -> dict:
+    """The fetched tensors of `layer_ids`, each path stacked `[len(layer_ids), ...]`, layer j
+    of the stack written straight into its slot; one fetch at a time is staged on the host."""
+    tree: dict = {}
+    for fetch in fetches:
+      arrays: dict[tuple[str, ...], np.ndarray] = {}
+      for j, i in enumerate(layer_ids):
+        for path, w in fetch(i).items():
+          if path not in arrays:
+            arrays[path] = np.empty((len(layer_ids),) + w.shape, host)
+          arrays[path][j] = w
+      for path, a in arrays.items():
+        node = tree
+        for key in (prefix + path)[:-1]:
+          node = node.setdefault(key, {})
+        node[(prefix + path)[-1]] = jnp.asarray(a, dtype=dtype)
+    return tree
 
-  params: dict = {"embedding": jnp.asarray(t("model.embed_tokens.weight", (c.vocab_size, e)),
-                                           dtype=dtype),
-                  "layers": layers,
-                  "norm": {"scale": jnp.asarray(t("model.norm.weight", (e,)), dtype=dtype)}}
+  attn = plain(layer_tensors)
+  mlp = plain(_mlp_tensors("mlp", e, f))
+  every = list(range(c.num_layers))
+  moe_ids = list(c.moe_layer_ids)
+  dense_ids = [i for i in every if i not in moe_ids]
+  moe = _moe_fetches(c, get, t, plain, source) if moe_ids else []
+  if moe_ids and dense_ids:  # each kind stacked over its own layers (see jinfer/models/llama.py)
+    params = {"layers": stack(attn, every), "mlp_layers": stack(mlp, dense_ids),
+              "moe_layers": stack(moe, moe_ids)}
+  elif moe_ids:
+    params = {"layers": {**stack(attn, every), **stack(moe, every, ("moe",))}}
+  else:
+    params = {"layers": {**stack(attn, every), **stack(mlp, every, ("mlp",))}}
+  params["embedding"] = jnp.asarray(t("model.embed_tokens.weight", (c.vocab_size, e)), dtype=dtype)
+  params["norm"] = {"scale": jnp.asarray(t("model.norm.weight", (e,)), dtype=dtype)}
   if not c.tie_word_embeddings:
     params["lm_head"] = {"kernel": jnp.asarray(t("lm_head.weight", (c.vocab_size, e)).T,
                                                dtype=dtype)}
   return params
+
+
+def _mlp_tensors(prefix: str, e: int, f: int) -> list:
+  """A dense MLP's (params path, HF name, HF shape, to our layout)."""
+  return [(("gate_proj", "kernel"), f"{prefix}.gate_proj.weight", (f, e), np.transpose),
+          (("up_proj", "kernel"), f"{prefix}.up_proj.weight", (f, e), np.transpose),
+          (("down_proj", "kernel"), f"{prefix}.down_proj.weight", (e, f), np.transpose)]
+
+
+def _moe_fetches(c: ModelConfig, get: Callable, t: Callable, plain: Callable,
+                 source: str) -> list[Fetch]:
+  """An MoE layer's params (router, experts, shared expert) in whichever layout its file has."""
+  e, n, f = c.hidden_size, c.num_experts, c.moe_intermediate_size
+  # Per-expert names (router, gate, up, down) after "model.layers.N."; the fused layout uses
+  # transformers 5's in-memory names, "mlp." for every architecture.
+  if c.architecture == "mixtral":
+    router, gate, up, down = ("block_sparse_moe.gate.weight",
+                              "block_sparse_moe.experts.{}.w1.weight",
+                              "block_sparse_moe.experts.{}.w3.weight",
+                              "block_sparse_moe.experts.{}.w2.weight")
+  else:
+    router, gate, up, down = ("mlp.gate.weight", "mlp.experts.{}.gate_proj.weight",
+                              "mlp.experts.{}.up_proj.weight", "mlp.experts.{}.down_proj.weight")
+
+  def maybe(name: str) -> np.ndarray | None:
+    try:
+      return np.asarray(get(name))
+    except KeyError:
+      return None
+
+  def experts(i: int) -> dict:
+    p = f"model.layers.{i}"
+    gate_up = maybe(f"{p}.mlp.experts.gate_up_proj")
+    if gate_up is not None:  # fused: gate_up [X, 2F, E] (gate first), down [X, E, F]
+      gate_up = _expect(gate_up, (n, 2 * f, e), f"{p}.mlp.experts.gate_up_proj", source)
+      return {("router",): t(f"{p}.mlp.gate.weight", (n, e)).T,
+              ("gate_up", "kernel"): gate_up.reshape(n, 2, f, e).transpose(0, 3, 1, 2),
+              ("down", "kernel"): t(f"{p}.mlp.experts.down_proj", (n, e, f)).transpose(0, 2, 1)}
+    return {("router",): t(f"{p}.{router}", (n, e)).T,  # [E, X]
+            ("gate_up", "kernel"): np.stack([  # [X, E, 2, F]
+                np.stack([t(f"{p}.{gate.format(x)}", (f, e)).T,
+                          t(f"{p}.{up.format(x)}", (f, e)).T], axis=1) for x in range(n)]),
+            ("down", "kernel"): np.stack([t(f"{p}.{down.format(x)}", (e, f)).T  # [X, F, E]
+                                          for x in range(n)])}
+
+  fetches = [experts]
+  if c.shared_expert_intermediate_size:
+    fetches += plain([(("shared_expert",) + path, hf, shape, to) for path, hf, shape, to in
+                      _mlp_tensors("mlp.shared_expert", e, c.shared_expert_intermediate_size)])
+    fetches += plain([(("shared_expert_gate",), "mlp.shared_expert_gate.weight", (1, e),
+                       lambda w: w.reshape(e))])
+  return fetches

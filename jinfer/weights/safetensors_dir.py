@@ -53,7 +53,7 @@ def load_safetensors_dir(path: str, config: ModelConfig, dtype=jnp.float32) -> d
     if file not in handles:
       handles[file] = _open(file)
     try:
-      with jax.default_device(jax.devices("cpu")[0]):  # stay on the host until placed
+      with jax.default_device(jax.local_devices(backend="cpu")[0]):  # on the host until placed
         return np.asarray(handles[file].get_tensor(name))
     except Exception as e:
       raise WeightError(f"{file}: cannot read tensor {name!r} ({e})") from None

@@ -1,0 +1,154 @@
+"""Speculative decoding on SmolLM2-135M-Instruct: output tokens/s with speculation off, with n-gram
+prompt lookup and with the distilled draft, at batch 1, 8 and 64, on two workloads:
+
+  chat    held-out chat prompts (`chat_prompts.eval_prompts`, subjects the draft never saw),
+          through the chat template, greedy, up to --max-tokens each (natural text: answers
+          end at EOS);
+  random  vLLM's random-token workload (`jinfer bench`'s: prompts of consecutive token ids from
+          a random offset, 32-512 tokens), greedy, exactly --max-tokens each (EOS ignored).
+
+Batch b submits b requests at once and runs them to completion (batch 1: --single-requests
+requests one after another). The three engines share the target's weights and are all warmed
+up first; every repetition runs every (batch, workload) on each engine back to back, so a load
+change on a shared machine hits all three alike, and medians over --repeats are reported.
+Acceptance and mean tokens per step are set against E = (1 - alpha^(k+1)) / (1 - alpha).
+
+    python examples/bench_spec.py --out bench_spec.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from chat_prompts import eval_prompts  # noqa: E402
+
+from jinfer.bench.machine import machine_info  # noqa: E402
+from jinfer.bench.offline import RandomWorkload  # noqa: E402
+from jinfer.engine.engine import LLMEngine  # noqa: E402
+from jinfer.engine.engine_config import EngineConfig  # noqa: E402
+from jinfer.sampling_params import SamplingParams  # noqa: E402
+from jinfer.weights.loader import DEFAULT_MODEL, load_model  # noqa: E402
+
+DRAFT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints",
+                     "smollm2-135m-draft")
+
+
+def workload(name: str, batch: int, engine: LLMEngine, max_tokens: int, seed: int):
+  """(prompts, sampling params) of one run."""
+  if name == "chat":
+    tok = engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True)
+               for p in eval_prompts()[seed * batch:(seed + 1) * batch]]
+    return prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens)
+  w = RandomWorkload(num_prompts=batch, output_len=max_tokens, seed=seed)
+  return w.prompts(engine.model_config.vocab_size), w.sampling_params()[0]
+
+
+def run(engine: LLMEngine, prompts, params, one_at_a_time: bool) -> dict:
+  """Output tokens/s of the prompts, and what speculation did meanwhile."""
+  before = engine.stats()
+  t0 = time.monotonic()
+  out_tokens = 0
+  for group in ([[p] for p in prompts] if one_at_a_time else [prompts]):
+    rids = [engine.add_request(None, p, params) for p in group]
+    final = engine.run_to_completion(rids)
+    out_tokens += sum(len(final[r].outputs[0].token_ids) for r in rids)
+  wall = time.monotonic() - t0
+  after = engine.stats()
+  r = {"output_tokens": out_tokens, "wall_s": wall, "output_tokens_per_s": out_tokens / wall,
+       "steps": after.num_steps - before.num_steps}
+  if after.spec is not None:
+    r["spec"] = after.spec.since(before.spec).summary()
+  return r
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--model", default=DEFAULT_MODEL)
+  ap.add_argument("--draft", default=DRAFT)
+  ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+  ap.add_argument("--ngram", default="2,4", help="prompt_lookup_min,max")
+  ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                  help="speculate only in steps of at most this many sequences")
+  ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+  ap.add_argument("--workloads", nargs="+", default=["chat", "random"])
+  ap.add_argument("--methods", nargs="+", default=["off", "ngram", "draft"])
+  ap.add_argument("--max-tokens", type=int, default=128)
+  ap.add_argument("--single-requests", type=int, default=3)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args()
+
+  config, params, tokenizer = load_model(args.model)
+  lo, hi = (int(x) for x in args.ngram.split(","))
+  specs = {"off": None,
+           "ngram": {"method": "ngram", "num_speculative_tokens": args.k,
+                     "prompt_lookup_min": lo, "prompt_lookup_max": hi},
+           "draft": {"method": "draft_model", "num_speculative_tokens": args.k,
+                     "model": args.draft}}
+  for spec in specs.values():
+    if spec is not None and args.disable_by_batch_size is not None:
+      spec["disable_by_batch_size"] = args.disable_by_batch_size
+  base = EngineConfig(max_model_len=1024, max_num_seqs=max(args.batches),
+                      max_num_batched_tokens=512, num_pages=1 + max(args.batches) * 40)
+  engines = {}
+  for m in args.methods:
+    t0 = time.monotonic()
+    engines[m] = LLMEngine.from_parts(config, params, tokenizer,
+                                      config=dataclasses.replace(base, speculative_config=specs[m]))
+    print(f"{m}: warm in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+
+  report = {"machine": machine_info(), "model": args.model,
+            "engine": {k: getattr(base, k) for k in ("max_model_len", "max_num_seqs",
+                                                     "max_num_batched_tokens", "num_pages")},
+            "speculative_configs": {m: specs[m] for m in args.methods},
+            "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": []}
+  results: dict[tuple, list[dict]] = {}
+  for rep in range(args.repeats):
+    for b in args.batches:
+      for w in args.workloads:
+        n = args.single_requests if b == 1 else b
+        for m in args.methods:
+          prompts, sp = workload(w, n, engines[m], args.max_tokens, seed=rep)
+          r = run(engines[m], prompts, sp, one_at_a_time=b == 1)
+          r.update(repeat=rep, batch=b, workload=w, method=m,
+                   load_avg_1m=round(os.getloadavg()[0], 2))
+          report["runs"].append(r)
+          results.setdefault((b, w, m), []).append(r)
+          print(json.dumps({k: r[k] for k in ("repeat", "batch", "workload", "method",
+                                              "output_tokens_per_s", "load_avg_1m")}),
+                file=sys.stderr, flush=True)
+
+  summary = []
+  for (b, w, m), rs in results.items():
+    off = results.get((b, w, "off"))
+    s = {"batch": b, "workload": w, "method": m,
+         "output_tokens_per_s": float(np.median([r["output_tokens_per_s"] for r in rs]))}
+    if off is not None:  # per-repeat ratios (neighbours in time), then their median
+      s["speedup_vs_off"] = float(np.median([r["output_tokens_per_s"] / o["output_tokens_per_s"]
+                                             for r, o in zip(rs, off)]))
+    if "spec" in rs[0]:
+      keys = ("acceptance_rate", "alpha", "mean_tokens_per_verify", "tokens_per_full_step",
+              "expected_tokens_per_full_step", "proposer_time_share")
+      s.update({k: float(np.median([r["spec"][k] for r in rs])) for k in keys})
+      s["acceptance_per_position"] = np.median(
+          [r["spec"]["acceptance_per_position"] for r in rs], axis=0).tolist()
+    summary.append(s)
+  report["summary"] = summary
+  text = json.dumps(report, indent=2)
+  print(text)
+  if args.out:
+    with open(args.out, "w") as fh:
+      fh.write(text + "\n")
+
+
+if __name__ == "__main__":
+  main()

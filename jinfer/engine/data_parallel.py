@@ -1,0 +1,165 @@
+"""Data parallelism: several engines, each on its own devices with its own page pool and
+scheduler, behind the one-engine interface, so `LLM` and the server drive them unchanged.
+
+A request goes to the rank that has seen its prefix (prefix-cache affinity: its pages are cached
+there) unless that rank carries `balance_slack` more sequences than the least-loaded one; else to
+the least-loaded rank. The prefixes a rank has seen are the page-hash chains of the prompts routed
+to it, kept in a bounded LRU, as SGLang's cache-aware router does; the engines' own caches are
+never queried, so a burst of requests sharing a prefix lands together before any of it is cached.
+Ranks step concurrently (one thread each: a device step releases the GIL).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import time
+
+from jinfer.config import ModelConfig
+from jinfer.engine import compilation_cache
+from jinfer.engine.engine import EngineStats, LLMEngine
+from jinfer.engine.engine_config import EngineConfig, default_dtype
+from jinfer.engine.request import RequestOutput
+from jinfer.parallel.mesh import data_parallel_devices
+from jinfer.sampling_params import SamplingParams
+from jinfer.tokenizer import Tokenizer
+from jinfer.weights.loader import load_model
+
+
+class DataParallelEngine:
+  """`data_parallel_size` engines of `config`; see the module docstring."""
+
+  MAX_ROUTES = 1 << 16  # prefix hashes remembered for affinity
+
+  def __init__(self, model: str, *, dtype=None, config: EngineConfig, warmup: bool = True,
+               skip_tokenizer_init: bool = False):
+    data_parallel_devices(config.parallel_config())  # enough devices? fail before loading
+    if config.compilation_cache:
+      compilation_cache.enable()
+    t0 = time.monotonic()
+    model_config, params, tokenizer = load_model(model, dtype or default_dtype(),
+                                                 load_tokenizer=not skip_tokenizer_init)
+    self._build(model_config, params, tokenizer, config, dtype, warmup)
+    self.load_seconds = time.monotonic() - t0 - self.warmup_seconds
+
+  @classmethod
+  def from_parts(cls, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None, *,
+                 config: EngineConfig, dtype=None, warmup: bool = True) -> "DataParallelEngine":
+    self = cls.__new__(cls)
+    self._build(model_config, params, tokenizer, config, dtype, warmup)
+    self.load_seconds = 0.0
+    return self
+
+  def _build(self, model_config, params, tokenizer, config: EngineConfig, dtype, warmup: bool):
+    rank_config = dataclasses.replace(config, data_parallel_size=1)
+    self.engines = [LLMEngine.from_parts(model_config, params, tokenizer, config=rank_config,
+                                         dtype=dtype, warmup=False, devices=devices)
+                    for devices in data_parallel_devices(config.parallel_config())]
+    e0 = self.engines[0]
+    self.model_config, self.tokenizer, self.config = e0.model_config, tokenizer, e0.config
+    self.max_model_len, self.page_size = e0.max_model_len, e0.config.page_size
+    # A rank may carry this many more sequences than the least-loaded one and still get a
+    # request for a prefix it has seen.
+    self.balance_slack = max(1, config.max_num_seqs // 4)
+    self._pool = concurrent.futures.ThreadPoolExecutor(len(self.engines),
+                                                       thread_name_prefix="jinfer-dp")
+    self._routes: collections.OrderedDict[int, int] = collections.OrderedDict()  # hash -> rank
+    self._rank_of: dict[str, int] = {}  # request id -> rank, while unfinished
+    self._ids = itertools.count()
+    t0 = time.monotonic()
+    if warmup:  # the ranks compile side by side
+      list(self._pool.map(lambda e: e.runner.warmup(config.enable_prompt_logprobs), self.engines))
+    self.warmup_seconds = time.monotonic() - t0
+
+  # -- requests -----------------------------------------------------------------------------
+  def tokenize(self, prompt: str | list[int]) -> list[int]:
+    return self.engines[0].tokenize(prompt)
+
+  def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    self.engines[0].validate(prompt_token_ids, params)
+
+  def route(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
+    """The rank a request with this prompt goes to (and remember its prefix there)."""
+    e0 = self.engines[0]
+    hashes = e0.blocks.chain_hashes(prompt_token_ids, cache_salt,
+                                    (len(prompt_token_ids) - 1) // self.page_size)
+    load = [self.load(r) for r in range(len(self.engines))]
+    least = min(range(len(load)), key=load.__getitem__)
+    rank = least
+    for h in reversed(hashes):  # the longest prefix seen wins
+      seen = self._routes.get(h)
+      if seen is not None:
+        if load[seen] - load[least] <= self.balance_slack:
+          rank = seen
+        break
+    for h in hashes:
+      self._routes[h] = rank
+      self._routes.move_to_end(h)
+    while len(self._routes) > self.MAX_ROUTES:
+      self._routes.popitem(last=False)
+    return rank
+
+  def load(self, rank: int) -> int:
+    """Sequences a rank holds, running or waiting."""
+    s = self.engines[rank].scheduler
+    return len(s.running) + len(s.waiting)
+
+  def add_request(self, request_id: str | None, prompt: str | list[int],
+                  params: SamplingParams | None = None, *, arrival_time: float | None = None,
+                  cache_salt: str | None = None) -> str:
+    request_id = str(next(self._ids)) if request_id is None else str(request_id)
+    if request_id in self._rank_of:
+      raise ValueError(f"request id {request_id!r} is already in use")
+    ids = self.tokenize(prompt)
+    self.validate(ids, params or SamplingParams())
+    rank = self.route(ids, cache_salt)
+    self.engines[rank].add_request(request_id, prompt, params, arrival_time=arrival_time,
+                                   cache_salt=cache_salt)
+    self._rank_of[request_id] = rank
+    return request_id
+
+  def abort(self, request_id: str) -> bool:
+    rank = self._rank_of.pop(str(request_id), None)
+    return rank is not None and self.engines[rank].abort(request_id)
+
+  def has_unfinished_requests(self) -> bool:
+    return any(e.has_unfinished_requests() for e in self.engines)
+
+  def close(self):
+    for e in self.engines:
+      e.close()
+
+  def running_request_ids(self) -> set[str]:
+    return set().union(*(e.running_request_ids() for e in self.engines))
+
+  # -- the loop -----------------------------------------------------------------------------
+  def step(self) -> list[RequestOutput]:
+    """One step of every rank that has work, concurrently."""
+    busy = [e for e in self.engines if e.has_unfinished_requests()]
+    outputs = [o for outs in self._pool.map(LLMEngine.step, busy) for o in outs]
+    for o in outputs:
+      if o.finished:
+        self._rank_of.pop(o.request_id, None)
+    return outputs
+
+  def stats(self) -> EngineStats:
+    """Counts summed over ranks; ratios are the ranks' mean; steps the busiest rank's."""
+    per = [e.stats() for e in self.engines]
+    total = lambda name: sum(getattr(s, name) for s in per)
+    mean = lambda name: sum(getattr(s, name) for s in per) / len(per)
+    return EngineStats(
+        num_running=total("num_running"), num_waiting=total("num_waiting"),
+        kv_utilization=mean("kv_utilization"), kv_pages_used=mean("kv_pages_used"),
+        prefix_hit_rate=mean("prefix_hit_rate"), num_preemptions=total("num_preemptions"),
+        prompt_tokens=total("prompt_tokens"), generation_tokens=total("generation_tokens"),
+        num_steps=max(s.num_steps for s in per), weight_bytes=total("weight_bytes"),
+        kv_cache_bytes=total("kv_cache_bytes"))
+
+
+def create_engine(model: str, *, config: EngineConfig, dtype=None, warmup: bool = True,
+                  skip_tokenizer_init: bool = False) -> LLMEngine | DataParallelEngine:
+  """One engine, or the data-parallel front end when `config.data_parallel_size > 1`."""
+  cls = DataParallelEngine if config.data_parallel_size > 1 else LLMEngine
+  return cls(model, dtype=dtype, config=config, warmup=warmup,
+             skip_tokenizer_init=skip_tokenizer_init)

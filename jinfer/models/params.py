@@ -1,0 +1,24 @@
+"""How the model declares its params: every leaf with its logical axis names, every linear
+kernel in a `LinearKernel` box that says what contracts. Sharding rules and the quantizer read
+these declarations, never parameter names."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+from flax import struct
+
+default_init = nn.initializers.normal(0.02)
+
+
+class LinearKernel(nn.LogicallyPartitioned):
+  """A linear layer's kernel box: logical names plus how many leading (after any stacked
+  `layers`/`expert` axes) axes contract with the input and how many are outputs, and whether
+  the outputs come first (a tied embedding `[vocab, embed]` as the LM head's kernel)."""
+  n_in: int = struct.field(pytree_node=False, default=1)
+  n_out: int = struct.field(pytree_node=False, default=1)
+  transposed: bool = struct.field(pytree_node=False, default=False)
+
+
+def param(mod: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
+          init=default_init) -> jax.Array:
+  return mod.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)

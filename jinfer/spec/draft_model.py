@@ -1,0 +1,246 @@
+"""A draft model proposer: a small model with the target's tokenizer guesses k tokens per
+sequence, in one jitted loop per step, ahead of the target's verify step.
+
+Its KV cache is its own array with the target's page geometry, indexed by the same block tables:
+a page holds the same positions in both caches, so prefix hits, preemption and rollback need no
+bookkeeping of their own. Each step the draft runs
+  1. one pass over the step's flat batch without the drafts: prefill chunks alongside the
+     target's, and for a decoding sequence the tokens its cache lacks (`Sequence.draft_lag`,
+     then the last token), giving d_1 from the last row;
+  2. k - 1 passes of one row per sequence, each feeding the previous draft to get the next.
+Rows a sequence does not need (it verifies fewer than k drafts) write to the sink page.
+A step where nobody speculates runs pass 1 alone, without the head, to keep the cache whole.
+
+Draft tokens are sampled from the draft's distribution under the request's own processing
+(`jinfer/accept.py` makes q the same way and the target checks against it), with the request's
+seed in a stream of its own.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jinfer.accept import DRAFT_STREAM, DraftProbs, Drafts, VerifyTensors, row_tensors
+from jinfer.config import ModelConfig
+from jinfer.engine.engine_config import EngineConfig
+from jinfer.engine.request import Sequence
+from jinfer.engine.scheduler import ScheduledBatch
+from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
+from jinfer.models import CausalLM
+from jinfer.quant.qarray import param_bytes
+from jinfer.sample import (SamplingTensors, _argmax, any_penalty, ban, draw, filter_sorted,
+                           penalize, row_keys)
+from jinfer.spec.config import SpeculativeConfig
+from jinfer.spec.draft_checkpoint import is_draft_checkpoint, load_draft
+from jinfer.spec.proposer import Proposer
+from jinfer.tokenizer import Tokenizer
+from jinfer.weights.loader import load_model
+from pallas_kernels import AttentionMetadata, KVCacheSpec
+from pallas_kernels.kv_cache_layout import SINK_PAGE
+
+log = logging.getLogger(__name__)
+_PROBE = "Speculative decoding checks the draft's guesses: 3.14, naïve café, def f(x): return x"
+
+
+@struct.dataclass
+class DraftInput:
+  """The draft's passes over one step. Pass 1 is a flat batch of `T` rows like the target's;
+  passes 2..k have one row per sequence, fed the previous pass's draft."""
+  token_ids: jax.Array  # [T] int32
+  positions: jax.Array  # [T] int32
+  md: AttentionMetadata  # pass 1; the block table is the target's
+  logits_indices: jax.Array  # [S] int32: each sequence's last row in pass 1
+  slots: jax.Array  # [S, K-1] int32: where pass 2..k writes each sequence's K/V (sink: unused)
+  kv_lens: jax.Array  # [S, K-1] int32: the sequence's tokens in the cache in pass 2..k
+
+
+def _sample_draft(logits: jax.Array, st: SamplingTensors, vt: VerifyTensors, vocab: jax.Array,
+                  vocab_size: int) -> tuple[jax.Array, jax.Array]:
+  """The draft's token for chain index `vt.row_depth` of every sequence and its q [S, Vd]:
+  the request's processing over the draft's logits [S, Vd] (-inf outside its vocabulary)."""
+  s = logits.shape[0]
+  x = jnp.full((s, vocab_size), -jnp.inf, logits.dtype).at[:, vocab].set(logits)
+  rst = row_tensors(st, vt, with_history=False)
+  x = jax.lax.cond(any_penalty(st), lambda l: penalize(l, row_tensors(st, vt, with_history=True)),
+                   lambda l: l, x)
+  x = ban(x, rst.banned)
+  greedy = _argmax(x)
+
+  def sampled(x):
+    order, w = filter_sorted(x, rst)
+    token = draw(order, w, jnp.sum(w > 0, axis=-1) - 1, row_keys(rst, DRAFT_STREAM))
+    q = jnp.zeros_like(w).at[jnp.arange(s)[:, None], order].set(w / w.sum(-1, keepdims=True))
+    return token, q[:, vocab]
+
+  token, q = jax.lax.cond(jnp.any(st.temperature > 0), sampled,
+                          lambda x: (greedy, jnp.zeros(logits.shape, jnp.float32)), x)
+  return jnp.where(rst.temperature > 0, token, greedy), q
+
+
+def _propose(model: CausalLM, k: int, vocab_size: int, propose: bool, params, head, vocab,
+             kv_cache, inp: DraftInput, st: SamplingTensors, ban_rows) -> tuple:
+  apply = functools.partial(model.apply, {"params": params}, return_hidden=True)
+  _, hidden, kv_cache = apply(inp.token_ids, inp.positions, kv_cache, inp.md,
+                              inp.logits_indices)
+  if not propose:  # the hidden states go unused: XLA drops the head and the sampling
+    return None, kv_cache
+  s = inp.logits_indices.shape[0]
+  drafts = jnp.zeros((s, k), jnp.int32)
+  vt = lambda drafts, i: VerifyTensors(
+      draft_tokens=drafts, num_drafts=jnp.full(s, k, jnp.int32),
+      row_seq=jnp.arange(s, dtype=jnp.int32), row_depth=jnp.full(s, i, jnp.int32),
+      chain=jnp.zeros((s, k + 1), jnp.int32), ban_rows=ban_rows)
+  token, q = _sample_draft(hidden @ head.T, st, vt(drafts, 0), vocab, vocab_size)
+  drafts = drafts.at[:, 0].set(token)
+  probs = jnp.zeros((s, k) + q.shape[1:], q.dtype).at[:, 0].set(q)
+  one_row = jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), inp.md.num_seqs[0])
+
+  def step(i, carry):  # pass i + 1 feeds d_i, proposes d_{i+1}
+    drafts, probs, kv_cache = carry
+    kv_lens = inp.kv_lens[:, i - 1]
+    md = AttentionMetadata(slot_mapping=inp.slots[:, i - 1], block_table=inp.md.block_table,
+                           kv_lens=kv_lens, cu_q_lens=one_row, num_seqs=inp.md.num_seqs,
+                           max_q_len=1, max_prefill_seqs=0)
+    _, hidden, kv_cache = apply(drafts[:, i - 1], kv_lens - 1, kv_cache, md,
+                                jnp.arange(s, dtype=jnp.int32))
+    token, q = _sample_draft(hidden @ head.T, st, vt(drafts, i), vocab, vocab_size)
+    return drafts.at[:, i].set(token), probs.at[:, i].set(q), kv_cache
+
+  drafts, probs, kv_cache = jax.lax.fori_loop(1, k, step, (drafts, probs, kv_cache))
+  return Drafts(tokens=drafts, probs=DraftProbs(probs=probs, vocab=vocab)), kv_cache
+
+
+class DraftModelProposer(Proposer):
+  """`vocab`: the draft's vocabulary (target ids); None: the whole of it."""
+
+  def __init__(self, k: int, config: ModelConfig, params: dict, vocab: np.ndarray | None,
+               engine_config: EngineConfig, buckets: Buckets, dtype):
+    super().__init__(k)
+    self.config, self.buckets = config, buckets
+    self.model = CausalLM(config, engine_config.kernel_options(), dtype=dtype, scan_layers=True)
+    self.params = params
+    if vocab is None:
+      vocab = np.arange(config.vocab_size, dtype=np.int32)
+    self.vocab = jnp.asarray(vocab, jnp.int32)
+    if config.tie_word_embeddings:
+      head = params["embedding"]
+    else:
+      head = params["lm_head"]["kernel"].T
+    # [Vd, E]: the head's rows for the draft's vocabulary (all of it shares the array).
+    self.head = head if len(vocab) == config.vocab_size else head[self.vocab]
+    self.spec = KVCacheSpec(num_layers=config.num_layers,
+                            num_pages=engine_config.resolved_num_pages(),
+                            page_size=engine_config.page_size, num_kv_heads=config.num_kv_heads,
+                            head_dim=config.head_dim, dtype=dtype)
+    self.page_size = engine_config.page_size
+    self.kv_cache = self.spec.allocate()
+    self._cache_resets = 0
+    self._propose = jax.jit(functools.partial(_propose, self.model, k, config.vocab_size),
+                            static_argnums=(0,), donate_argnums=(4,))
+
+  @classmethod
+  def load(cls, spec: SpeculativeConfig, target: ModelConfig, target_params: dict,
+           tokenizer: Tokenizer | None, engine_config: EngineConfig, buckets: Buckets,
+           dtype) -> "DraftModelProposer":
+    """A distilled draft checkpoint (sharing the target's embedding), or any model (built-in
+    name, HF directory, .gguf) with the target's tokenizer."""
+    if is_draft_checkpoint(spec.model):
+      config, params, vocab = load_draft(spec.model, target, target_params, dtype)
+    else:
+      try:
+        config, params, draft_tok = load_model(spec.model, dtype)
+      except FileNotFoundError:  # a model directory without tokenizer files: ids must do
+        config, params, draft_tok = load_model(spec.model, dtype, load_tokenizer=False)
+      if config.vocab_size != target.vocab_size or (
+          None not in (tokenizer, draft_tok) and draft_tok.encode(_PROBE) != tokenizer.encode(_PROBE)):
+        raise ValueError(f"speculative_config: the draft model {spec.model!r} does not share "
+                         f"the target's tokenizer (vocabulary {config.vocab_size} vs "
+                         f"{target.vocab_size})")
+      vocab = None
+    log.info("draft model %s: %d layers, vocabulary %d", spec.model, config.num_layers,
+             config.vocab_size if vocab is None else len(vocab))
+    return cls(spec.num_speculative_tokens, config, params, vocab, engine_config, buckets, dtype)
+
+  # -- the proposer interface ---------------------------------------------------------------
+  def propose(self, batch: ScheduledBatch, inp: StepInput) -> Drafts | None:
+    speculating = inp.verify is not None
+    d = self._input(batch, inp)
+    ban_rows = (inp.verify.tensors.ban_rows if speculating
+                else np.zeros(inp.logits_indices.shape, np.int32))
+    try:
+      drafts, self.kv_cache = self._propose(speculating, self.params, self.head, self.vocab,
+                                            self.kv_cache, d, inp.sampling, ban_rows)
+    except Exception:
+      if self.kv_cache.is_deleted():  # donated to the failed call (see ModelRunner._run)
+        self.kv_cache = self.spec.allocate()
+        self._cache_resets += 1
+      raise
+    return drafts
+
+  def on_verified(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+    # Passes 1..m fed the draft everything up to d_{m-1}: if d_m was accepted too, the draft
+    # has yet to see it.
+    seq.draft_lag = int(num_drafts > 0 and num_accepted == num_drafts)
+
+  @property
+  def cache_resets(self) -> int:
+    return self._cache_resets
+
+  def warmup(self, shapes: list[int]) -> None:
+    b = self.buckets
+    for t in shapes:
+      inp = to_step_input(empty_step_input(b, t, verify=True), b)
+      d = self._input(ScheduledBatch([], []), inp)
+      for speculating in (True, False):
+        t0 = time.monotonic()
+        _, self.kv_cache = self._propose(speculating, self.params, self.head, self.vocab,
+                                         self.kv_cache, d, inp.sampling,
+                                         inp.verify.tensors.ban_rows)
+        log.info("draft model %d-token %s pass ready in %.1f s", t,
+                 "proposal" if speculating else "catch-up", time.monotonic() - t0)
+
+  def empty_drafts(self, num_seqs: int) -> Drafts:
+    return Drafts(tokens=jnp.zeros((num_seqs, self.k), jnp.int32),
+                  probs=DraftProbs(probs=jnp.zeros((num_seqs, self.k, len(self.vocab))),
+                                   vocab=self.vocab))
+
+  @property
+  def weight_bytes(self) -> int:
+    own = {k: v for k, v in self.params.items() if k != "embedding"}
+    return param_bytes(own) + (0 if self.head is self.params.get("embedding") else
+                               param_bytes(self.head))
+
+  # -- host side ----------------------------------------------------------------------------
+  def _input(self, batch: ScheduledBatch, inp: StepInput) -> DraftInput:
+    t = inp.token_ids.shape[0]
+    s, k, ps = inp.logits_indices.shape[0], self.k, self.page_size
+    token_ids, positions, slot_mapping = (np.zeros(t, np.int32) for _ in range(3))
+    kv_lens, cu, last = np.zeros(s, np.int32), np.zeros(s + 1, np.int32), np.zeros(s, np.int32)
+    slots = np.full((s, k - 1), SINK_PAGE * ps, np.int32)
+    later_lens = np.ones((s, k - 1), np.int32)
+    off = 0
+    for i, (seq, n, m) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.num_drafts)):
+      start = seq.num_computed_tokens - seq.draft_lag
+      end = seq.num_computed_tokens + n - m  # the target's rows without the drafts
+      pages = np.asarray(seq.pages, np.int32)
+      pos = np.arange(start, end)
+      rows = slice(off, off + len(pos))
+      token_ids[rows] = seq.token_ids[start:end]
+      positions[rows] = pos
+      slot_mapping[rows] = pages[pos // ps] * ps + pos % ps
+      off += len(pos)
+      cu[i + 1], kv_lens[i], last[i] = off, end, off - 1
+      later = np.arange(end, end + max(m - 1, 0))  # d_1..d_{m-1}'s positions: passes 2..m
+      slots[i, :len(later)] = pages[later // ps] * ps + later % ps
+      later_lens[i, :len(later)] = later + 1
+    cu[len(batch.seqs) + 1:] = off
+    md = inp.md.replace(slot_mapping=slot_mapping, kv_lens=kv_lens, cu_q_lens=cu, verify_width=2,
+                        tree_mask=None)
+    return DraftInput(token_ids=token_ids, positions=positions, md=md, logits_indices=last,
+                      slots=slots, kv_lens=later_lens)

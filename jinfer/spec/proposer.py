@@ -1,0 +1,53 @@
+"""The proposer interface: who guesses the draft tokens a verify step checks.
+
+The scheduler gives each decoding sequence up to k verify rows (`ScheduledBatch.num_drafts`,
+see `Engine._lookahead`); a proposer then fills them:
+  * on the host, before the step input is built (`fill`): n-gram lookup writes its tokens into
+    the batch, and gives back rows it has no guess for;
+  * on the device, between building the step input and running the target (`propose`): a draft
+    model runs its own jitted loop and hands the target its tokens and their probabilities as
+    device arrays, so the host never waits for them.
+After the step the engine reports each sequence's outcome (`on_verified`).
+"""
+from __future__ import annotations
+
+import abc
+
+from jinfer.accept import Drafts
+from jinfer.engine.request import Sequence
+from jinfer.engine.scheduler import ScheduledBatch
+from jinfer.engine.step_input import StepInput
+
+
+class Proposer(abc.ABC):
+  """Proposes up to `k` tokens per speculating sequence and step."""
+
+  def __init__(self, k: int):
+    self.k = k
+
+  def fill(self, batch: ScheduledBatch) -> None:
+    """Host-side proposals: set `batch.draft_tokens[i]` for each sequence with drafts, trimming
+    `num_drafts` (and its rows) where fewer are found. Device proposers leave them empty."""
+
+  def propose(self, batch: ScheduledBatch, inp: StepInput) -> Drafts | None:
+    """Device-side proposals for the batch (None: host proposals, or none speculates)."""
+    return None
+
+  def on_verified(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+    """`seq` gained `num_accepted` of its `num_drafts` drafts (and one more token)."""
+
+  @property
+  def cache_resets(self) -> int:
+    """Times a failed step consumed the proposer's own KV cache (then rebuilt empty)."""
+    return 0
+
+  def warmup(self, shapes: list[int]) -> None:
+    """Compile whatever the proposer runs on device, for every token bucket in `shapes`."""
+
+  def empty_drafts(self, num_seqs: int) -> Drafts | None:
+    """Stand-in device drafts of the right shapes, to compile the verify step with."""
+    return None
+
+  @property
+  def weight_bytes(self) -> int:
+    return 0

@@ -1,0 +1,51 @@
+"""examples/long_context.py end to end: ring attention over 4 CPU devices against one device.
+
+The script runs in a subprocess: it must size the CPU client (4 devices) before jax starts its
+backends, and this process's jax may already have started them with one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_long_context_quick(tmp_path):
+  out, png = tmp_path / "lc.json", tmp_path / "lc.png"
+  env = dict(os.environ, HF_HUB_OFFLINE="1")
+  # Only the subprocess's own flag may decide the device count.
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "examples", "long_context.py"), "--quick",
+       "--devices", "4", "--no-warmup", "--out", str(out), "--plot", str(png)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  result = json.loads(out.read_text())
+
+  assert result["context_parallel_size"] == 4 and result["devices"] == 4
+  assert result["context_layout"] == "zigzag"
+  assert result["lengths"] == [256, 512]
+  assert result["machine"]["num_devices"] == 4
+  for run in ("cp", "one_device"):
+    needle = result[run]["needle"]
+    assert set(needle["accuracy_by_length"]) == {"256", "512"}
+    assert len(needle["trials"]) == 2 * len(result["depths"])
+    assert all(t["prompt_tokens"] <= t["length"] for t in needle["trials"])
+    assert 0.0 <= needle["accuracy"] <= 1.0
+    ppl = result[run]["perplexity"]
+    assert ppl["tokens"] == 512 and len(ppl["buckets"]) == 8
+    assert all(1.0 < b["perplexity"] < 1e4 for b in ppl["buckets"])
+  assert "engine_s" in result["cp"]["timings"] and result["total_s"] > 0
+
+  # Ring attention reorders an exact computation: the CP run matches one device to rounding.
+  diff = result["cp_vs_one_device"]
+  assert diff["max_abs_logprob_diff"] <= 1e-4, diff
+  assert diff["greedy_answers_identical"], diff
+
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,402 @@
+"""Sharding over the 8 CPU devices the test session makes (conftest.py): ring attention against
+one device, tensor / context / data parallel engines against one device (logprobs <= 1e-4,
+greedy tokens identical), bytes per device, compiles, errors, and two processes on loopback."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jinfer.config import ModelConfig
+from jinfer.engine.data_parallel import DataParallelEngine
+from jinfer.engine.engine import LLMEngine
+from jinfer.engine.engine_config import EngineConfig
+from jinfer.models import param_shapes
+from jinfer.parallel import sharding
+from jinfer.parallel.attention import paged_attention
+from jinfer.parallel.mesh import ParallelConfig, make_mesh
+from jinfer.sampling_params import SamplingParams
+from pallas_kernels import AttentionMetadata
+from tests.engine_fixtures import CompileCounter
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
+                                reason="needs 8 devices (conftest.py sets jax_num_cpu_devices)")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- ring attention against one device ------------------------------------------------------
+def _ragged_batch(rng, cp: int, hq: int, hkv: int, d: int = 16, ps: int = 8, t: int = 64,
+                  slots_s: int = 8, pages_per_seq: int = 12):
+  """A random ragged step (decodes, chunks on cached context, fresh prefills) of fixed shapes
+  over a page pool split into `cp` runs; each sequence's pages drawn from the whole pool."""
+  n = int(rng.integers(2, slots_s - 1))
+  q_lens = rng.multinomial(t - n - int(rng.integers(0, 8)), np.ones(n) / n) + 1  # some padding
+  q_lens[rng.random(n) < 0.3] = 1  # decodes
+  ctx = rng.integers(0, 30, n) * (rng.random(n) < 0.7)
+  kv_lens = q_lens + ctx
+  num_pages = cp * -(-(1 + slots_s * pages_per_seq) // cp)
+  pool = iter(rng.permutation(np.arange(1, num_pages)))
+  table = np.full((slots_s, pages_per_seq), -1, np.int32)  # unused rows: padding sequences
+  cache = rng.standard_normal((1, num_pages, 2, hkv, ps, d)).astype(np.float32)
+  slots = np.zeros(t, np.int32)  # padding rows write into the sink page 0
+  cu = np.zeros(slots_s + 1, np.int32)
+  cu[1:n + 1] = np.cumsum(q_lens)
+  cu[n + 1:] = cu[n]
+  for s in range(n):
+    used = -(-kv_lens[s] // ps)
+    table[s, :used] = [next(pool) for _ in range(used)]
+    pos = np.arange(ctx[s], kv_lens[s])
+    slots[cu[s]:cu[s + 1]] = table[s, pos // ps] * ps + pos % ps
+  md = AttentionMetadata(slot_mapping=jnp.asarray(slots), block_table=jnp.asarray(table),
+                         kv_lens=jnp.asarray(np.r_[kv_lens, [0] * (slots_s - n)].astype(np.int32)),
+                         cu_q_lens=jnp.asarray(cu), num_seqs=jnp.asarray([n], jnp.int32))
+  q, k, v = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
+  return q, k, v, cache, md
+
+
+@pytest.mark.parametrize("cp,tp,layout,backend", [
+    (2, 2, "zigzag", "xla"), pytest.param(4, 1, "plain", "xla", marks=pytest.mark.slow),
+    pytest.param(8, 1, "zigzag", "xla", marks=pytest.mark.slow),
+    pytest.param(4, 2, "zigzag", "xla", marks=pytest.mark.slow),
+    pytest.param(2, 4, "plain", "xla", marks=pytest.mark.slow),
+    # The Pallas kernels run per shard too (interpreted here).
+    pytest.param(2, 2, "zigzag", "pallas_tpu", marks=pytest.mark.slow),
+    pytest.param(2, 1, "plain", "pallas_gpu", marks=pytest.mark.slow)])
+def test_ring_attention_matches_one_device(cp, tp, layout, backend):
+  """Random ragged batches: the ring's output and written cache equal one device's."""
+  mesh = make_mesh(ParallelConfig(tensor_parallel_size=tp, context_parallel_size=cp))
+  kw = dict(layer=jnp.int32(0), sliding_window=None, sm_scale=0.25, backend=backend,
+            interpret=backend != "xla")
+  one = jax.jit(lambda q, k, v, c, md: paged_attention(q, k, v, c, md, **kw))
+  ring = jax.jit(lambda q, k, v, c, md: paged_attention(q, k, v, c, md, mesh=mesh,
+                                                         context_layout=layout, **kw))
+  rng = np.random.default_rng(cp * 10 + tp)
+  for _ in range(3):
+    q, k, v, cache, md = _ragged_batch(rng, cp, hq=2 * tp, hkv=tp)
+    want_o, want_cache = one(q, k, v, cache, md)
+    got_o, got_cache = ring(q, k, v, jax.device_put(cache, sharding.kv_cache_sharding(mesh)), md)
+    n_real = int(md.cu_q_lens[md.num_seqs[0]])
+    np.testing.assert_allclose(np.asarray(got_o)[:n_real], np.asarray(want_o)[:n_real],
+                               atol=1e-5, rtol=1e-5)
+    # Every page but the sink (padding rows' scratch) holds the same K/V.
+    np.testing.assert_array_equal(np.asarray(got_cache)[:, 1:], np.asarray(want_cache)[:, 1:])
+    assert got_cache.sharding.is_equivalent_to(sharding.kv_cache_sharding(mesh), 6)
+
+
+# -- engines against one device --------------------------------------------------------------
+CFG = ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
+                  max_position_embeddings=8192, rope_theta=100000.0)
+
+
+@pytest.fixture(scope="module")
+def params():
+  rng = np.random.default_rng(0)
+  p = jax.tree_util.tree_map_with_path(
+      lambda path, s: (np.ones(s.shape) if path[-1].key == "scale"  # norms
+                       else rng.standard_normal(s.shape) * 0.2).astype(np.float32),
+      param_shapes(CFG))
+  p["embedding"] *= 20  # clear greedy winners
+  return jax.tree.map(jnp.asarray, p)
+
+
+def _prompts(lengths, seed=1):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, CFG.vocab_size, n).tolist() for n in lengths]
+
+
+SHORT = _prompts((5, 37, 120, 260, 9, 70))
+LONG = _prompts((3000, 1800, 40))
+BASE = dict(max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=128, page_size=16,
+            compilation_cache=False)
+
+
+def _generate(engine, prompts, max_tokens=6):
+  sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3)
+  rids = [engine.add_request(None, p, sp) for p in prompts]
+  final = {}
+  while engine.has_unfinished_requests():
+    final.update((o.request_id, o) for o in engine.step() if o.finished)
+  return [final[r].outputs[0] for r in rids]
+
+
+def _engine(params, warmup=False, **options):
+  config = EngineConfig(**{**BASE, **options})
+  cls = DataParallelEngine if config.data_parallel_size > 1 else LLMEngine
+  return cls.from_parts(CFG, params, None, config=config, warmup=warmup)
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+  """One device's outputs for the short prompts."""
+  return _generate(_engine(params), SHORT)
+
+
+@pytest.fixture(scope="module")
+def reference_long(params):
+  return _generate(_engine(params, max_num_batched_tokens=512), LONG)
+
+
+def _assert_same(got, want):
+  for g, w in zip(got, want):
+    assert g.token_ids == w.token_ids
+    for gl, wl in zip(g.logprobs, w.logprobs):
+      assert gl.keys() == wl.keys()
+      np.testing.assert_allclose([gl[t] for t in wl], list(wl.values()), atol=1e-4)
+
+
+@pytest.mark.parametrize("options", [
+    dict(tensor_parallel_size=2),
+    pytest.param(dict(tensor_parallel_size=4), marks=pytest.mark.slow),
+    pytest.param(dict(tensor_parallel_size=8), marks=pytest.mark.slow),  # KV heads x4
+    pytest.param(dict(data_parallel_size=2), marks=pytest.mark.slow),  # quick: the async test
+    pytest.param(dict(tensor_parallel_size=2, data_parallel_size=2), marks=pytest.mark.slow),
+    dict(tensor_parallel_size=2, context_parallel_size=2, context_layout="plain"),
+], ids=lambda o: "-".join(f"{k.split('_')[0]}{v}" for k, v in o.items()))
+def test_parallel_engine_matches_one_device(params, reference, options):
+  _assert_same(_generate(_engine(params, **options), SHORT), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [
+    dict(context_parallel_size=4), dict(context_parallel_size=8),
+    dict(context_parallel_size=8, context_layout="plain"),
+    dict(context_parallel_size=4, tensor_parallel_size=2),
+], ids=lambda o: "-".join(f"{k.split('_')[0]}{v}" for k, v in o.items()))
+def test_context_parallel_long_prompts(params, reference_long, options):
+  _assert_same(_generate(_engine(params, max_num_batched_tokens=512, **options), LONG),
+               reference_long)
+
+
+def test_bytes_per_device(params):
+  """TP 4 x CP 2: sharded weights 1/4 each; a long sequence's KV spread 1/8 each."""
+  engine = _engine(params, tensor_parallel_size=4, context_parallel_size=2)
+  runner = engine.runner
+  per = runner.bytes_per_device()
+  assert len(per) == 8
+  sharded = [w for w in jax.tree.leaves(runner.params) if "tensor" in w.sharding.spec]
+  replicated = [w for w in jax.tree.leaves(runner.params) if "tensor" not in w.sharding.spec]
+  want = (sum(w.nbytes for w in sharded) // 4 + sum(w.nbytes for w in replicated))
+  assert {w for w, _ in per.values()} == {want}
+  # With KV heads duplicated to 4, the cache is [L, pages, 2, 4, ps, D] over 8 devices.
+  assert {kv for _, kv in per.values()} == {runner.kv_cache.nbytes // 8}
+  assert runner.kv_cache.nbytes == engine.runner.spec.nbytes
+  # One long sequence's pages fall evenly over the two context ranks.
+  engine.add_request(None, LONG[0], SamplingParams(max_tokens=1))
+  engine.step()
+  seq = engine.scheduler.running[0]
+  per_rank = engine.blocks.num_pages // 2
+  ranks = np.bincount(np.asarray(seq.pages) // per_rank, minlength=2)
+  assert abs(ranks[0] - ranks[1]) <= 1, ranks
+
+
+def test_quantized_tied_head_matches_one_device(params):
+  """A tied embedding quantizes as the LM head's kernel `[vocab, embed]`: under tensor
+  parallelism its per-row scales follow the rows' vocabulary split."""
+  tied = dataclasses.replace(CFG, tie_word_embeddings=True)
+  p = {k: v for k, v in params.items() if k != "lm_head"}
+  make = lambda **o: LLMEngine.from_parts(tied, p, None, warmup=False, config=EngineConfig(
+      **BASE, quantization="int8", **o))
+  want = _generate(make(), SHORT[:3])
+  engine = make(tensor_parallel_size=2)
+  _assert_same(_generate(engine, SHORT[:3]), want)
+  embed = engine.runner.params["embedding"]
+  assert embed.transposed and embed.scale.sharding.spec == P("tensor")
+
+
+@pytest.mark.slow
+def test_no_compiles_after_warmup(params):
+  engine = _engine(params, warmup=True, tensor_parallel_size=2, context_parallel_size=2)
+  counter = CompileCounter()
+  _generate(engine, SHORT[:3], max_tokens=4)
+  assert counter.count == 0
+
+
+def test_data_parallel_routes_by_prefix_and_load(params):
+  engine = _engine(params, data_parallel_size=2)
+  shared = SHORT[3][:100]
+  first = engine.add_request(None, shared + [1, 2, 3], SamplingParams(max_tokens=2))
+  rank = engine._rank_of[first]
+  # Same prefix, light load: the same rank (its pages are, or will be, cached there).
+  again = engine.add_request(None, shared + [4, 5], SamplingParams(max_tokens=2))
+  assert engine._rank_of[again] == rank
+  # Unrelated prompts go to the least-loaded rank.
+  other = engine.add_request(None, SHORT[2], SamplingParams(max_tokens=2))
+  assert engine._rank_of[other] == 1 - rank
+  # Past the balance slack, even a matching prefix goes elsewhere.
+  for _ in range(engine.balance_slack + 1):
+    engine.add_request(None, shared + [9], SamplingParams(max_tokens=2))
+  loads = [engine.load(r) for r in (0, 1)]
+  assert max(loads) - min(loads) <= engine.balance_slack + 1
+  for rid in list(engine._rank_of):
+    assert engine.abort(rid)
+  assert engine.stats().num_running == 0 and not engine.has_unfinished_requests()
+
+
+def test_async_engine_serves_data_parallel_ranks(params, reference):
+  """The server's engine loop drives the DP front end like one engine."""
+  import asyncio
+  from jinfer.engine.async_engine import AsyncLLMEngine, collect
+  engine = _engine(params, data_parallel_size=2)
+
+  async def main():
+    aeng = AsyncLLMEngine(engine)
+    aeng.start()
+    try:
+      sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+      return await asyncio.gather(*(collect(aeng.generate(p, sp)) for p in SHORT))
+    finally:
+      await aeng.shutdown()
+
+  outs = asyncio.run(main())
+  _assert_same([o.outputs[0] for o in outs], reference)
+  assert all(e.blocks.num_free_pages == e.blocks.num_usable_pages for e in engine.engines)
+
+
+def test_tensor_parallel_size_that_does_not_divide():
+  smol = dataclasses.replace(CFG, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                             num_heads=9, num_kv_heads=3, head_dim=64)  # SmolLM2-135M's shapes
+  assert sharding.valid_tensor_parallel_sizes(smol, 8) == [1, 3]
+  with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*9 query heads.*valid sizes: "
+                                       r"1, 3$"):
+    sharding.check_tensor_parallel(smol, 2)
+
+
+def test_parallel_config_errors(params):
+  with pytest.raises(ValueError, match="power of two"):
+    EngineConfig(context_parallel_size=3)
+  with pytest.raises(ValueError, match="needs 16 devices; 8 are available"):
+    _engine(params, tensor_parallel_size=4, context_parallel_size=4)
+  with pytest.raises(ValueError, match="need 16 devices"):
+    _engine(params, tensor_parallel_size=8, data_parallel_size=2)
+
+
+@pytest.mark.slow
+def test_smollm2_tensor_parallel_3(smollm2_gguf):
+  """The real model's 9 query / 3 KV heads split over 3 devices: same greedy tokens."""
+  from jinfer import LLM
+  prompts = ["The capital of France is", "def fibonacci(n):"]
+  sp = SamplingParams(max_tokens=12, temperature=0.0)
+  opts = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, warmup=False)
+  want = [o.outputs[0].token_ids for o in LLM(smollm2_gguf, **opts).generate(prompts, sp)]
+  got = [o.outputs[0].token_ids
+         for o in LLM(smollm2_gguf, tensor_parallel_size=3, **opts).generate(prompts, sp)]
+  assert got == want
+
+
+# -- expert parallelism -------------------------------------------------------------------------
+MOE = dataclasses.replace(CFG, architecture="qwen2_moe", num_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                          norm_topk_prob=False, moe_layers=(False, True))
+
+
+@pytest.fixture(scope="module")
+def moe_params():
+  rng = np.random.default_rng(2)
+  p = jax.tree_util.tree_map_with_path(
+      lambda path, s: (np.ones(s.shape) if path[-1].key == "scale"
+                       else rng.standard_normal(s.shape) * 0.2).astype(np.float32),
+      param_shapes(MOE))
+  p["embedding"] *= 20
+  return jax.tree.map(jnp.asarray, p)
+
+
+@pytest.mark.parametrize("options", [
+    pytest.param(dict(tensor_parallel_size=4, enable_expert_parallel=True),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(tensor_parallel_size=2, enable_expert_parallel=True, quantization="int8"),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(tensor_parallel_size=8, enable_expert_parallel=True),
+                 marks=pytest.mark.slow),
+    pytest.param(dict(tensor_parallel_size=2), marks=pytest.mark.slow),  # experts' MLP split
+], ids=lambda o: "-".join(f"{k.split('_')[0]}{v}" for k, v in o.items()))
+def test_expert_parallel_matches_one_device(moe_params, options):
+  one = {k: v for k, v in options.items() if k == "quantization"}
+  make = lambda **o: LLMEngine.from_parts(MOE, moe_params, None, warmup=False,
+                                          config=EngineConfig(**BASE, **o))
+  want = _generate(make(**one), SHORT[:4])
+  engine = make(**options)
+  _assert_same(_generate(engine, SHORT[:4]), want)
+  experts = jax.tree.leaves(engine.runner.params["moe_layers"]["gate_up"])[0]  # [1, X, ...]
+  tp = options["tensor_parallel_size"]
+  if options.get("enable_expert_parallel"):  # whole experts, X / TP on each device
+    assert {s.data.shape for s in experts.addressable_shards} == {
+        (1, MOE.num_experts // tp) + experts.shape[2:]}
+
+
+def test_expert_parallel_needs_experts_to_divide(moe_params):
+  with pytest.raises(ValueError, match=r"number of experts \(6\) to be a multiple of 4"):
+    LLMEngine.from_parts(dataclasses.replace(MOE, num_experts=6), moe_params, None, warmup=False,
+                         config=EngineConfig(**BASE, tensor_parallel_size=4,
+                                             enable_expert_parallel=True))
+
+
+# -- two processes on loopback ----------------------------------------------------------------
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _spawn(model_dir, port, pid, spec):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "multiprocess_worker.py"),
+                           model_dir, str(port), str(pid), "4", json.dumps(spec)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_gguf):
+  """An HF directory each process loads, and its params loaded here."""
+  from tests.engine_fixtures import tiny_loaded
+  path = str(tmp_path_factory.mktemp("tiny_hf"))
+  return path, tiny_loaded(path, smollm2_gguf)
+
+
+MP_SPEC = dict(options=dict(BASE, max_model_len=512, max_num_batched_tokens=64,
+                            tensor_parallel_size=4, context_parallel_size=2),
+               prompts=[[7, 300, 12, 9000, 5], list(range(100, 180)), [42] * 20], max_tokens=6)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tiny_dir):
+  path, loaded = tiny_dir
+  port = _free_port()
+  procs = [_spawn(path, port, pid, MP_SPEC) for pid in (0, 1)]
+  outs = [p.communicate(timeout=600) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+  got = json.loads(outs[0][0].splitlines()[-1])  # gloo logs its connections on stdout too
+  one = LLMEngine.from_parts(*loaded, warmup=False, config=EngineConfig(
+      **{k: v for k, v in MP_SPEC["options"].items() if not k.endswith("parallel_size")}))
+  want = _generate(one, MP_SPEC["prompts"], MP_SPEC["max_tokens"])
+  assert got["tokens"] == [o.token_ids for o in want]
+  for g, w in zip(got["logprobs"], want):  # each token's logprob
+    np.testing.assert_allclose(g, [lp[t] for lp, t in zip(w.logprobs, w.token_ids)], atol=1e-4)
+
+
+@pytest.mark.slow
+def test_killed_peer_is_an_error_not_a_hang(tiny_dir):
+  port = _free_port()
+  spec = dict(MP_SPEC, max_tokens=400)  # long enough to be killed mid-way
+  procs = [_spawn(tiny_dir[0], port, pid, spec) for pid in (0, 1)]
+  leader, follower = procs
+  t0 = time.monotonic()
+  while "generating" not in leader.stderr.readline():  # the leader is past warmup
+    assert time.monotonic() - t0 < 600 and leader.poll() is None
+  follower.send_signal(signal.SIGKILL)
+  t0 = time.monotonic()
+  _, err = leader.communicate(timeout=120)  # the heartbeat timeout is 30 s
+  assert leader.returncode != 0
+  assert time.monotonic() - t0 < 120
+  assert "heartbeat" in err or "task" in err.lower(), err[-3000:]

@@ -1,0 +1,207 @@
+"""Speculative decoding in the engine, on tiny random models: greedy output identical to no
+speculation (alone and in batches with chunked prefill, preemption and prefix hits), stop
+conditions and logprobs as without it, seeded sampling independent of the batch, no page leaks
+under aborts, no compiles after warmup, and precise errors for a bad speculative_config."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jinfer.engine.engine_config import EngineConfig
+from jinfer.sampling_params import SamplingParams
+from jinfer.spec.ngram import lookup
+from tests.engine_fixtures import CompileCounter, make_engine, tiny_loaded
+
+K = 3
+# Chunked prefill (budget 16), preemption (20 pages of 8 for up to 8 sequences of up to 128).
+# Two token buckets keep the compiles few: the engines of this module are shared.
+SMALL = dict(max_model_len=128, page_size=8, num_pages=20, max_num_seqs=8,
+             max_num_batched_tokens=16, max_prefill_seqs=2)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+METHODS = ("ngram", "self", "other")
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory, smollm2_gguf) -> dict[str, str]:
+  """Draft model directories: the target itself (accepts everything), and a 1-layer model of
+  another seed (rejects nearly everything)."""
+  out = {}
+  for name, seed, layers in (("self", 0, 2), ("other", 1, 1)):
+    out[name] = str(tmp_path_factory.mktemp(f"draft_{name}"))
+    tiny_loaded(out[name], smollm2_gguf, seed=seed, num_layers=layers)
+  return out
+
+
+def spec_config(method: str, drafts: dict[str, str]) -> dict:
+  if method == "ngram":
+    return {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1}
+  return {"method": "draft_model", "num_speculative_tokens": K, "model": drafts[method]}
+
+
+def _prompts(n: int, seed: int, lo: int = 5, hi: int = 60) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, 49000, rng.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+def _run(engine, prompts, params) -> list[list[int]]:
+  rids = [engine.add_request(None, p, params) for p in prompts]
+  final = engine.run_to_completion(rids)
+  return [final[r].outputs[0].token_ids for r in rids]
+
+
+def _no_leaks(engine):
+  assert not engine.scheduler.running and not engine.scheduler.waiting
+  b = engine.blocks
+  b.check_consistency()
+  assert b.num_free_pages == b.num_usable_pages and not any(b.ref[1:])
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model):
+  return make_engine(tiny_model, warmup=False, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model, drafts) -> dict:
+  """One speculating engine per proposer, compiled lazily."""
+  return {m: make_engine(tiny_model, warmup=False, **SMALL,
+                         speculative_config=spec_config(m, drafts)) for m in METHODS}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_output_is_the_same_as_without_speculation(engines, baseline, method):
+  shared = _prompts(1, seed=9, lo=40, hi=41)[0]
+  prompts = _prompts(8, seed=1) + [shared + p[:5] for p in _prompts(3, seed=2)]  # prefix hits
+  want = _run(baseline, prompts, GREEDY)
+  eng = engines[method]
+  assert [_run(eng, [p], GREEDY)[0] for p in prompts[:2]] == want[:2]
+  before = eng.stats()
+  assert _run(eng, prompts, GREEDY) == want
+  after = eng.stats()
+  assert after.num_preemptions > before.num_preemptions, "the pool was meant to force preemption"
+  assert after.prefix_hit_rate > 0
+  spec = after.spec
+  assert spec.num_draft_tokens > 0
+  if method != "other":  # these agree with the target's greedy choices
+    assert spec.acceptance_rate > 0.9 and spec.mean_tokens_per_verify > 2
+  _no_leaks(eng)
+
+
+@pytest.fixture(scope="module")
+def spec_engine(engines):
+  return engines["other"]
+
+
+def test_stops_and_logprobs_as_without_speculation(spec_engine, baseline):
+  prompt = _prompts(1, seed=3)[0]
+  free = _run(baseline, [prompt], GREEDY)[0]
+  cases = [dict(max_tokens=7), dict(stop_token_ids=[free[4]]), dict(min_tokens=6),
+           dict(logprobs=3), dict(max_tokens=9, repetition_penalty=1.5, presence_penalty=0.5)]
+  for case in cases:
+    params = SamplingParams(**{**dict(temperature=0.0, max_tokens=20, ignore_eos=True), **case})
+    rid_a = baseline.add_request(None, prompt, params)
+    a = baseline.run_to_completion([rid_a])[rid_a].outputs[0]
+    rid_b = spec_engine.add_request(None, prompt, params)
+    b = spec_engine.run_to_completion([rid_b])[rid_b].outputs[0]
+    assert (b.token_ids, b.finish_reason, b.stop_reason, b.text) == (
+        a.token_ids, a.finish_reason, a.stop_reason, a.text), case
+    if a.logprobs is not None:
+      for la, lb in zip(a.logprobs, b.logprobs):
+        assert la.keys() == lb.keys()
+        np.testing.assert_allclose(list(lb.values()), list(la.values()), atol=1e-4)
+  full = _run(baseline, [prompt], GREEDY)[0]
+  text = spec_engine.tokenizer.decode(full)
+  stop = text[len(text) // 2:len(text) // 2 + 3]
+  rid = spec_engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=20,
+                                                            ignore_eos=True, stop=[stop]))
+  cut = spec_engine.run_to_completion([rid])[rid].outputs[0]
+  assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
+
+
+def test_seeded_sampling_independent_of_the_batch(spec_engine):
+  params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+  prompt = _prompts(1, seed=4)[0]
+  alone = _run(spec_engine, [prompt], params)[0]
+  others = [SamplingParams(temperature=t, seed=i, max_tokens=12, top_k=50)
+            for i, t in enumerate([0.0, 0.7, 1.3] * 2)]
+  rids = [spec_engine.add_request(None, p, sp) for p, sp in zip(_prompts(6, seed=5), others)]
+  rid = spec_engine.add_request(None, prompt, params)
+  final = spec_engine.run_to_completion(rids + [rid])
+  assert final[rid].outputs[0].token_ids == alone
+  assert spec_engine.stats().spec.num_draft_tokens > 0
+
+
+def test_random_aborts_during_speculation_leak_no_pages(spec_engine):
+  rng = np.random.default_rng(6)
+  live = []
+  for i, p in enumerate(_prompts(16, seed=7)):
+    params = SamplingParams(temperature=float(rng.choice([0.0, 1.0])), max_tokens=30, seed=i)
+    live.append(spec_engine.add_request(f"abort-{i}", p, params))
+    for _ in range(int(rng.integers(0, 3))):
+      for o in spec_engine.step():
+        if o.finished:
+          live.remove(o.request_id)
+    if live and rng.random() < 0.4:
+      assert spec_engine.abort(live.pop(int(rng.integers(len(live)))))
+  spec_engine.run_to_completion()
+  _no_leaks(spec_engine)
+
+
+@pytest.mark.parametrize("method", ["ngram", "other"])
+def test_no_compiles_after_warmup(engines, method):
+  eng = engines[method]
+  eng._warmup()  # what was not compiled yet: every bucket's plain and verify variants
+  counter = CompileCounter()
+  params = [SamplingParams(temperature=t, top_p=tp, top_k=k, max_tokens=m, seed=i, logprobs=lp,
+                           presence_penalty=pp, min_tokens=2, n=2 if i == 3 else 1)
+            for i, (t, tp, k, m, lp, pp) in enumerate(zip(
+                [0, 0.7, 1.0] * 3, [1, 0.9] * 5, [-1, 5, 20] * 3, [2, 7, 30] * 3,
+                [None, 3] * 5, [0, 0.5, 0] * 3))]
+  rids = [eng.add_request(None, p, sp) for p, sp in zip(_prompts(9, seed=8, lo=1, hi=40), params)]
+  eng.abort(rids[4])
+  eng.run_to_completion()
+  assert counter.count == 0, f"{counter.count} compiles after warmup"
+  assert eng.stats().spec.num_draft_tokens > 0
+
+
+def test_ngram_lookup():
+  t = lambda *x: np.asarray(x)
+  assert lookup(t(1, 2, 3, 4, 5, 9, 1, 2, 3), 1, 3, 4).tolist() == [4, 5, 9, 1]
+  assert lookup(t(1, 2, 3, 1, 2), 2, 3, 5).tolist() == [3, 1, 2, 3, 1]  # runs into the guess
+  assert lookup(t(1, 2, 9, 2, 8, 2), 1, 3, 2).tolist() == [8, 2]  # the latest occurrence
+  assert lookup(t(5, 1, 2, 8, 1, 2), 3, 3, 2).size == 0  # the longest match is too short
+  assert lookup(t(1, 2, 3), 1, 3, 2).size == 0
+
+
+@pytest.mark.parametrize("config, says", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"num_speculative_tokens": 2}, "needs 'method'"),
+    ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be .* \[1, 16\]"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
+      "prompt_lookup_max": 3}, "prompt_lookup_min .5. exceeds prompt_lookup_max .3."),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model is for method"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "no/such/dir"},
+     "'no/such/dir' is not a built-in name, a directory"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "smollm2-135m-instruct",
+      "prompt_lookup_max": 2}, "prompt_lookup_max is for method 'ngram'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "k": 3}, "unknown key 'k'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+     "disable_by_batch_size"),
+    ("{not json", "not valid JSON"), ("[1, 2]", "must be a dict"),
+])
+def test_a_bad_speculative_config_is_refused_when_made(config, says):
+  with pytest.raises(ValueError, match=says):
+    EngineConfig(speculative_config=config)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_model, tmp_path):
+  import transformers
+  transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+      num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+  with pytest.raises(ValueError, match="does not share the target's tokenizer"):
+    make_engine(tiny_model, warmup=False, **SMALL, speculative_config={
+        "method": "draft_model", "num_speculative_tokens": 2, "model": str(tmp_path)})
