@@ -7,7 +7,10 @@ from numpy seed 0, 128 output tokens or with --output-len-min lengths uniform in
   (b) the same engine configuration with continuous batching off (static batches),
   (c) HF transformers `generate` (torch CPU, float32, greedy) over left-padded static batches,
       each generating to its longest request's length (only requested tokens are counted),
-then jinfer's single-stream decode is set against the memory-bandwidth roofline:
+  (d) llama.cpp on the same GGUF, one request at a time, when `llama_cpp` is importable (build:
+      `CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python`),
+then jinfer's single-stream decode is set against the memory-bandwidth roofline (and llama.cpp's
+beside it when present):
 bytes read per token (weights + the KV cache read at the mean context) / streaming bandwidth
 measured here, and the whole workload against a compute ceiling: its FLOPs at the f32 matmul
 rate measured here. Prints one JSON object with the machine and the ratios.
@@ -34,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jinfer.bench import llama_cpp_peer
 from jinfer.bench.machine import machine_info
 from jinfer.bench.offline import RandomWorkload, run_offline
 from jinfer.engine.engine import LLMEngine
@@ -187,6 +191,7 @@ def main():
   ap.add_argument("--hf-batch-size", type=int, default=16)
   ap.add_argument("--single-stream-prompt-len", type=int, default=128)
   ap.add_argument("--skip-hf", action="store_true")
+  ap.add_argument("--skip-llama-cpp", action="store_true")
   ap.add_argument("--out", default=None, help="also write the JSON to this file")
   args = ap.parse_args()
 
@@ -202,7 +207,8 @@ def main():
   report["memory_bandwidth"] = measure_bandwidth()
 
   engine, report["jinfer_continuous"] = _jinfer_run(args.model, config, workload, None)
-  prompts = workload.prompts(engine.model_config.vocab_size)
+  engine_vocab = engine.model_config.vocab_size
+  prompts = workload.prompts(engine_vocab)
   output_lens = workload.output_lens()
   report["compute_ceiling"] = compute_ceiling(engine.model_config, list(map(len, prompts)),
                                               output_lens)
@@ -218,11 +224,21 @@ def main():
   if not args.skip_hf:
     report["hf_transformers"] = run_hf(args.model, prompts, output_lens, args.hf_batch_size)
 
+  gguf = builtin_gguf_path(args.model) if is_builtin(args.model) else args.model
+  run_llama = llama_cpp_peer.available() and not args.skip_llama_cpp and gguf.endswith(".gguf")
+  if run_llama:
+    report["llama_cpp"] = llama_cpp_peer.offline(gguf, prompts, output_lens)
+    report["llama_cpp"]["single_stream"] = llama_cpp_peer.single_stream(
+        gguf, ((np.arange(args.single_stream_prompt_len) * 7919)
+               % engine_vocab).tolist(), args.output_len)
+
   tput = lambda k: report[k]["output_tokens_per_s"]
   ratios = {"continuous_over_static": tput("jinfer_continuous") / tput("jinfer_static")}
   if not args.skip_hf:
     ratios["continuous_over_hf"] = tput("jinfer_continuous") / tput("hf_transformers")
     ratios["static_over_hf"] = tput("jinfer_static") / tput("hf_transformers")
+  if run_llama:
+    ratios["continuous_over_llama_cpp"] = tput("jinfer_continuous") / tput("llama_cpp")
   ratios["continuous_over_compute_ceiling"] = (tput("jinfer_continuous")
                                                / report["compute_ceiling"]["output_tokens_per_s"])
   ratios["single_stream_over_roofline"] = report["jinfer_single_stream"]["fraction_of_roofline"]

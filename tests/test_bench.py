@@ -101,3 +101,48 @@ def test_bench_cli_varied_output_lengths(tiny_model_dir, tmp_path, capsys, conti
   assert r["completed"] == 6 and r["output_tokens"] == sum(lens)
   assert r["config"]["workload"]["output_len_min"] == 2
   assert r["config"]["engine"]["continuous_batching"] == continuous
+
+
+def _run_script(path: str, argv: list[str], capsys) -> dict:
+  import runpy
+  import sys
+  old = sys.argv
+  sys.argv = [path] + argv
+  try:
+    runpy.run_path(path, run_name="__main__")
+  finally:
+    sys.argv = old
+  return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.slow
+def test_decode_profile_script_accounts_for_the_step(tiny_model_dir, capsys):
+  """The profile's parts are measured, add up to about the device step, and name the stack
+  each batch ran (a batch of 1 runs unrolled on the CPU, a batch past the threshold scanned)."""
+  r = _run_script("examples/profile_decode.py", ["--model", tiny_model_dir, "--batches", "1,16",
+                                                 "--context", "20", "--steps", "3",
+                                                 "--repeats", "2"], capsys)
+  one, many = r["batches"]
+  assert (one["batch"], many["batch"]) == (1, 16)
+  assert (one["rows_per_step"]["T"], many["rows_per_step"]["T"]) == (1, 16)
+  assert one["scan_layers"] is False and many["scan_layers"] is True
+  for b in r["batches"]:
+    for k in ("layers_matmul_ms", "attention_ms", "lm_head_ms", "sampling_ms", "device_step_ms"):
+      assert b[k] > 0, k
+    assert b["engine_step_ms"] >= b["device_step_ms"] and b["host_ms"] >= 0
+    assert b["output_tokens_per_s"] == pytest.approx(b["batch"] * 1e3 / b["engine_step_ms"])
+
+
+@pytest.mark.slow
+def test_single_stream_script_reports_every_mode(tiny_model_dir, capsys):
+  r = _run_script("examples/bench_single_stream.py",
+                  ["--model", tiny_model_dir, "--modes", "f32,int8", "--repeats", "2",
+                   "--prompt-len", "8", "--output-len", "6", "--batch", "3",
+                   "--batch-input-len-min", "4", "--batch-input-len-max", "9",
+                   "--batch-output-len", "5"], capsys)
+  f32, int8 = r["modes"]["f32"], r["modes"]["int8"]
+  assert int8["weight_bytes"] < f32["weight_bytes"]
+  for m in (f32, int8):
+    assert len(m["single_stream_tok_s"]) == len(m["batch_tok_s"]) == 2
+    assert m["single_stream_median"] > 0 and m["batch_median"] > 0
+  assert "llama_cpp" in r  # None unless llama-cpp-python is installed

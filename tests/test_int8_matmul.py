@@ -145,3 +145,23 @@ def test_bad_mode_raises():
   x, wq, ws = _operands(4, 128, 128, jnp.float32)
   with pytest.raises(ValueError, match="unknown int8 matmul mode"):
     int8_matmul(x, wq, ws, mode="w4a16")
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("m", [1, 5])
+def test_reference_tiles_and_transposed_weights_match_one_dot(mode, m):
+  """The CPU path dequantizes tile by tile (here 2 tiles of K, or of N when the weights come
+  [N, K]) and reads transposed weights in place: the same numbers as one dot over the
+  dequantized weights."""
+  from pallas_kernels.int8_matmul import reference
+  x, w_int8, w_scale = _operands(m, 512, 1024, jnp.float32, seed=3)
+  assert reference._num_tiles(512, 1024 * 4) == 2 and reference._num_tiles(1024, 512 * 4) == 2
+  if mode == "w8a16":
+    want = x @ (w_int8.astype(jnp.float32) * w_scale[None, :])
+  else:
+    xq, xs = quantize_per_token(x)
+    want = (xq.astype(jnp.float32) @ w_int8.astype(jnp.float32)) * xs[:, None] * w_scale
+  got = int8_matmul(x, w_int8, w_scale, mode=mode)
+  got_t = int8_matmul(x, w_int8.T, w_scale, mode=mode, transpose_w=True)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(got_t, want, rtol=1e-5, atol=1e-4)

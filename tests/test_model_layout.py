@@ -61,6 +61,19 @@ def test_a_step_does_not_copy_the_kv_cache(scan_layers):
   assert temps[0] == temps[1], f"temporaries grew with the cache: {temps}"
 
 
+def test_unrolled_layers_are_views_of_the_stacked_weights():
+  """On the CPU the unrolled stack's per-layer arrays alias the stacked ones: an engine runs
+  both stacks from one copy of the weights."""
+  params = quantize_params(_params(), linear_kernels(CONFIG))
+  flat = unstack_layers(params, 3)
+  stacked = jax.tree.leaves(params["layers"])  # int8 values, scales, norms
+  assert any(leaf.dtype == jnp.int8 for leaf in stacked)
+  for i in range(3):
+    for leaf, view in zip(stacked, jax.tree.leaves(flat[f"layers_{i}"]), strict=True):
+      assert view.unsafe_buffer_pointer() == leaf.unsafe_buffer_pointer() + i * leaf.nbytes // 3
+      np.testing.assert_array_equal(view, leaf[i])
+
+
 def test_hidden_states_come_out_beside_the_logits():
   params = _params()
   batch = PagedBatch(CausalLM(CONFIG), params, 2, 4, 40)
@@ -75,14 +88,20 @@ def test_hidden_states_come_out_beside_the_logits():
 def test_quantized_weights_are_a_leaf_type_with_per_layer_channels():
   params = _params()
   kernels = linear_kernels(CONFIG)
-  assert kernels["layers"]["attn"]["o_proj"]["kernel"] == (2, 1)  # [L, Hq, D, E]: 2 contract
-  assert kernels["layers"]["mlp"]["up_proj"]["kernel"] == (1, 1)
-  assert kernels["embedding"] is None and kernels["layers"]["input_norm"]["scale"] is None
+  # [L, Hq, D, E]: 2 contract
+  assert kernels["layers"]["attn"]["o_proj"]["kernel"] == (2, 1, False)
+  assert kernels["layers"]["mlp"]["up_proj"]["kernel"] == (1, 1, False)
+  # Tied: the embedding [V, E] is the LM head's kernel, contracted over its last axis.
+  assert kernels["embedding"] == (1, 1, True)
+  assert kernels["layers"]["input_norm"]["scale"] is None
   q = quantize_params(params, kernels)
   o = q["layers"]["attn"]["o_proj"]["kernel"]
   assert isinstance(o, QArray) and o.values.dtype == jnp.int8
   assert o.scale.shape == (3, CONFIG.hidden_size)  # one scale per layer and output channel
-  assert not isinstance(q["embedding"], QArray)
+  emb = q["embedding"]
+  assert isinstance(emb, QArray) and emb.scale.shape == (CONFIG.vocab_size,)  # one per row
+  err = jnp.abs(emb.values.astype(jnp.float32) * emb.scale[:, None] - params["embedding"])
+  assert float(err.max()) <= float(emb.scale.max()) / 2 + 1e-6
   w = params["layers"]["attn"]["o_proj"]["kernel"]  # [L, Hq, D, E]
   for layer in range(3):  # each layer quantized alone gives the same values and scales
     alone = quantize(w[layer], 2, 1)

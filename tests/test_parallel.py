@@ -201,6 +201,20 @@ def test_bytes_per_device(params):
   assert abs(ranks[0] - ranks[1]) <= 1, ranks
 
 
+def test_quantized_tied_head_matches_one_device(params):
+  """A tied embedding quantizes as the LM head's kernel `[vocab, embed]`: under tensor
+  parallelism its per-row scales follow the rows' vocabulary split."""
+  tied = dataclasses.replace(CFG, tie_word_embeddings=True)
+  p = {k: v for k, v in params.items() if k != "lm_head"}
+  make = lambda **o: LLMEngine.from_parts(tied, p, None, warmup=False, config=EngineConfig(
+      **BASE, quantization="int8", **o))
+  want = _generate(make(), SHORT[:3])
+  engine = make(tensor_parallel_size=2)
+  _assert_same(_generate(engine, SHORT[:3]), want)
+  embed = engine.runner.params["embedding"]
+  assert embed.transposed and embed.scale.sharding.spec == P("tensor")
+
+
 @pytest.mark.slow
 def test_no_compiles_after_warmup(params):
   engine = _engine(params, warmup=True, tensor_parallel_size=2, context_parallel_size=2)

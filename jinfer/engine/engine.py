@@ -137,7 +137,7 @@ class LLMEngine:
     kernels = config.kernel_options(mesh if par.is_parallel else None)
     self.runner = ModelRunner(run_config, params, config.kv_spec(run_config, dtype),
                               self.buckets, kernels=kernels, dtype=dtype,
-                              scan_layers=config.resolved_scan_layers(), mesh=mesh,
+                              unrolled_max_tokens=config.unrolled_max_tokens(), mesh=mesh,
                               expert_parallel=config.enable_expert_parallel)
     self.groups: dict[str, _Group] = {}
     self._seed_rng = np.random.default_rng(config.seed)

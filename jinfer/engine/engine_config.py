@@ -36,8 +36,12 @@ class EngineConfig:
   interpret: bool = False  # run Pallas kernels in interpret mode (CPU testing)
   quantization: str | None = None  # None, "int8" (W8A16) or "w8a8"; applied at load time
   # Run the layer stack under a scan (compiles in seconds) or unrolled (each matmul reads its
-  # weights in place). None: the default, see `resolved_scan_layers`.
+  # weights in place). None: by step size, see `unrolled_max_tokens`.
   scan_layers: bool | None = None
+  # With scan_layers=None on the CPU: steps of at most this many tokens run unrolled, larger
+  # ones scanned. 1: a single stream's decode steps, each unrolled bucket costing a compile of
+  # every layer (~10x a scanned one).
+  max_unrolled_tokens: int = 1
   # Requests may ask for prompt_logprobs: compiles a second step variant per bucket that
   # projects every row to logits, used only by steps that carry such a request.
   enable_prompt_logprobs: bool = False
@@ -103,12 +107,18 @@ class EngineConfig:
     cp = self.context_parallel_size
     return -(-n // cp) * cp
 
-  def resolved_scan_layers(self) -> bool:
-    # Scanned by default everywhere. On XLA:CPU the unrolled stack decodes a single stream
-    # ~25% faster (a scanned layer copies its weights out of the stack before each matmul), but
-    # each step then compiles ~10x slower and loads from the compilation cache ~6x slower; at
-    # batch 64 and in prefill the two measure the same.
-    return True if self.scan_layers is None else self.scan_layers
+  def unrolled_max_tokens(self) -> int:
+    """Steps of at most this many tokens run the unrolled stack, larger ones the scanned one.
+
+    By default, on the CPU, small decode steps run unrolled: a scanned layer copies its weights
+    out of the stack before each matmul there (a dynamic slice feeds no dot in place), which
+    dominates a step that reads every weight for a few rows; each unrolled bucket compiles ~10x
+    slower, so only the smallest is by default. Prefill and large batches measure the same or better
+    scanned. Elsewhere the scan reads its weights in place and runs everything.
+    """
+    if self.scan_layers is not None:
+      return 0 if self.scan_layers else self.max_num_batched_tokens
+    return self.max_unrolled_tokens if jax.default_backend() == "cpu" else 0
 
   def scheduler_config(self) -> SchedulerConfig:
     return SchedulerConfig(max_num_seqs=self.max_num_seqs,
@@ -118,11 +128,14 @@ class EngineConfig:
                            continuous_batching=self.continuous_batching)
 
   def buckets(self) -> Buckets:
+    cp = self.context_parallel_size
     return Buckets(max_num_seqs=self.max_num_seqs,
                    max_num_batched_tokens=self.max_num_batched_tokens,
                    max_prefill_seqs=self.max_prefill_seqs,
                    max_pages_per_seq=self.max_pages_per_seq, max_model_len=self.max_model_len,
-                   smallest_bucket=max(8, 2 * self.context_parallel_size),
+                   # Single-stream decode runs a 1-token bucket; context parallelism needs
+                   # every bucket a multiple of 2 x CP (each rank holds two chunks).
+                   smallest_bucket=1 if cp == 1 else 2 * cp,
                    num_speculative_tokens=self.num_speculative_tokens)
 
   @property

@@ -85,30 +85,46 @@ def _step(model: CausalLM, return_hidden: bool, params, kv_cache, inp: StepInput
 
 
 class ModelRunner:
-  """`params` in the stacked layout; `scan_layers=False` runs the unrolled stack over per-layer
-  copies (made once here, the stacked arrays then dropped).
+  """`params` in the stacked layout. Steps of at most `unrolled_max_tokens` tokens run the
+  unrolled stack over per-layer arrays (views of the stacked ones on the CPU, see
+  `unstack_layers`), larger steps the scanned stack: `model`, `params` and `_step` are the
+  scanned ones when any step runs scanned, `_small` the unrolled (step, params, model) beside
+  them.
 
   `mesh`: the devices this runner's params and KV cache live on, laid out by
   `jinfer.parallel.sharding` (`config` has its KV heads duplicated already where fewer than the
-  tensor axis); the step's outputs come back replicated, so every process can read them."""
+  tensor axis); the step's outputs come back replicated, so every process can read them. With a
+  mesh every step runs scanned."""
 
   def __init__(self, config: ModelConfig, params: dict, spec: KVCacheSpec, buckets: Buckets, *,
-               kernels: KernelOptions, dtype, scan_layers: bool, return_hidden: bool = False,
-               mesh: Mesh | None = None, expert_parallel: bool = False):
+               kernels: KernelOptions, dtype, unrolled_max_tokens: int,
+               return_hidden: bool = False, mesh: Mesh | None = None,
+               expert_parallel: bool = False):
     self.config, self.spec, self.buckets, self.mesh = config, spec, buckets, mesh
-    self.model = CausalLM(config, kernels, dtype=dtype, scan_layers=scan_layers)
     out_shardings = None
     if mesh is not None:
       params = sharding.shard_params(params, logical_axes(config), mesh, expert_parallel)
       out_shardings = (NamedSharding(mesh, P()), sharding.kv_cache_sharding(mesh))
-    self.params = params if scan_layers else unstack_layers(params, config.num_layers)
+      # Sharded params run the scanned stack only: the CPU's per-layer views are single-device
+      # arrays that would drop the sharding, and off the CPU the scan reads its weights in
+      # place anyway, so an unrolled variant would only add compiles.
+      unrolled_max_tokens = 0
+    self.unrolled_max_tokens = unrolled_max_tokens
+    # The cache is donated: XLA updates it in place instead of copying it every step.
+    jit = lambda model: jax.jit(functools.partial(_step, model, return_hidden),
+                                donate_argnums=(1,), out_shardings=out_shardings)
+    scanned = buckets.token_buckets[-1] > unrolled_max_tokens
+    self.model = CausalLM(config, kernels, dtype=dtype, scan_layers=scanned)
+    self.params = params if scanned else unstack_layers(params, config.num_layers)
+    self._step = jit(self.model)
+    self._small = None
+    if scanned and buckets.token_buckets[0] <= unrolled_max_tokens:
+      small = CausalLM(config, kernels, dtype=dtype, scan_layers=False)
+      self._small = (jit(small), unstack_layers(params, config.num_layers), small)
     self._allocate = jax.jit(spec.allocate, out_shardings=None if mesh is None
                              else sharding.kv_cache_sharding(mesh))
     self.kv_cache = self._allocate()
     self.cache_resets = 0  # times a failed step consumed the cache and it was rebuilt empty
-    # The cache is donated: XLA updates it in place instead of copying it every step.
-    self._step = jax.jit(functools.partial(_step, self.model, return_hidden),
-                         donate_argnums=(1,), out_shardings=out_shardings)
     self._shapes_run: set[tuple[int, bool, bool]] = set()
     # Several processes (jinfer/parallel/distributed.py): process 0 announces each step by its
     # index in this list of every step shape, then sends its input.
@@ -137,9 +153,18 @@ class ModelRunner:
              time.monotonic() - t0)
     return out
 
+  def variant(self, num_tokens: int) -> tuple[CausalLM, dict]:
+    """The model and params a step of `num_tokens` (a bucket) runs."""
+    if self._small is not None and num_tokens <= self.unrolled_max_tokens:
+      return self._small[2], self._small[1]
+    return self.model, self.params
+
   def _run(self, inp: StepInput, drafts: Drafts | None) -> StepOutput:
     try:
-      out, self.kv_cache = self._step(self.params, self.kv_cache, inp, drafts)
+      if self._small is not None and inp.token_ids.shape[0] <= self.unrolled_max_tokens:
+        out, self.kv_cache = self._small[0](self._small[1], self.kv_cache, inp, drafts)
+      else:
+        out, self.kv_cache = self._step(self.params, self.kv_cache, inp, drafts)
     except Exception:
       # The cache was donated to the failed call: if XLA consumed it, start from an empty one
       # (the caller must then treat every cached token as gone).
@@ -188,6 +213,7 @@ class ModelRunner:
 
   @property
   def weight_bytes(self) -> int:
+    # On the CPU the unrolled layers are views of `params`: one copy of the weights.
     return param_bytes(self.params)
 
   @property

@@ -64,7 +64,7 @@ class Buckets:
   max_pages_per_seq: int
   max_model_len: int
   num_speculative_tokens: int = 0  # k; > 0 adds the verify variant of every bucket
-  smallest_bucket: int = 8
+  smallest_bucket: int = 1
 
   @property
   def token_buckets(self) -> list[int]:

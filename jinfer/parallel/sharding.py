@@ -88,12 +88,16 @@ def param_shardings(axes: dict, mesh: Mesh, expert_parallel: bool = False) -> di
 def shard_params(params: dict, axes: dict, mesh: Mesh, expert_parallel: bool = False) -> dict:
   shardings = param_shardings(axes, mesh, expert_parallel)
   # Quantized kernels (QArray leaves) take their kernel's sharding for the values and the same
-  # spec without the contracting axes for the scales.
+  # spec without the contracting axes for the scales (which come last in a transposed kernel,
+  # the quantized tied embedding).
   def put(w, sharding):
     if isinstance(w, QArray):
-      spec = sharding.spec
+      spec = tuple(sharding.spec) + (None,) * (w.values.ndim - len(sharding.spec))
       lead = w.values.ndim - w.n_in - w.n_out
-      scale_spec = P(*(tuple(spec)[:lead] + tuple(spec)[lead + w.n_in:]))
+      if w.transposed:
+        scale_spec = P(*spec[:lead + w.n_out])
+      else:
+        scale_spec = P(*(spec[:lead] + spec[lead + w.n_in:]))
       return dataclasses.replace(
           w, values=jax.device_put(w.values, sharding),
           scale=jax.device_put(w.scale, NamedSharding(mesh, scale_spec)))

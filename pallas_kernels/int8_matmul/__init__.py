@@ -28,15 +28,19 @@ __all__ = ["BACKENDS", "MODES", "int8_matmul", "quantize_per_channel", "quantize
 
 def int8_matmul(
     x: jax.Array,  # [M, K] float
-    w_int8: jax.Array,  # [K, N] int8
+    w_int8: jax.Array,  # [K, N] int8 ([N, K] with transpose_w)
     w_scale: jax.Array,  # [N]
     *,
     mode: str = "w8a16",
     backend: str = "reference",
     interpret: Any = False,
+    transpose_w: bool = False,
     **block_sizes: int,
 ) -> jax.Array:  # [M, N] x.dtype
   """x @ (w_int8 * w_scale), in `mode` ("w8a16" or "w8a8").
+
+  `transpose_w`: the weights come as [N, K] (a tied embedding used as the LM head), read in
+  place by the reference; the Pallas kernels take them transposed.
 
   `interpret` runs a Pallas backend in interpret mode (CPU); `block_sizes` (block_m, block_n,
   block_k, ...) go to the Pallas kernel. M, K and N need not be multiples of the blocks.
@@ -45,10 +49,14 @@ def int8_matmul(
     raise ValueError(f"unknown int8 matmul mode {mode!r}; choose one of {MODES}")
   if backend not in _IMPLS:
     raise ValueError(f"unknown int8 matmul backend {backend!r}; choose one of {BACKENDS}")
-  if x.ndim != 2 or w_int8.shape[0] != x.shape[1] or w_scale.shape != (w_int8.shape[1],):
+  k_axis = 1 if transpose_w else 0
+  if x.ndim != 2 or w_int8.shape[k_axis] != x.shape[1] or w_scale.shape != (
+      w_int8.shape[1 - k_axis],):
     raise ValueError(f"shapes do not match: x {x.shape}, w {w_int8.shape}, scale {w_scale.shape}")
   if backend == "reference":
     if block_sizes or interpret:
       raise ValueError("the reference backend takes no block sizes and no interpret mode")
-    return int8_matmul_reference(x, w_int8, w_scale, mode=mode)
+    return int8_matmul_reference(x, w_int8, w_scale, mode=mode, transpose_w=transpose_w)
+  if transpose_w:
+    w_int8 = w_int8.T
   return _IMPLS[backend](x, w_int8, w_scale, mode=mode, interpret=interpret, **block_sizes)
