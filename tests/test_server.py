@@ -347,8 +347,10 @@ def test_huge_prompts_are_refused_without_stalling_the_server(server, client):
         f"{max(health) * 1e3:.0f} ms over {len(health)} calls; inter-token gap before: median "
         f"{median(before) * 1e3:.0f} ms, max {before[-1] * 1e3:.0f} ms; during: median "
         f"{median(during) * 1e3:.0f} ms, max {during[-1] * 1e3:.0f} ms ({len(during)} gaps)")
+  # Tokenizing one such prompt held the server for 3-5 s; parsing 20 bodies of 5 MB still
+  # takes CPU from the stream on a 2-core machine, so its pace may slow but never stall.
   assert max(health) < 0.5
-  assert median(during) <= 2 * median(before) and during[-1] <= 2 * before[-1]
+  assert median(during) <= 3 * median(before) and during[-1] < 0.5
 
 
 # -- fuzzing the request JSON ---------------------------------------------------------------------
