@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jinfer.sample import (SampleOutput, SamplingTensors, _argmax, any_penalty, ban, draw,
+from jinfer.sample import (SampleOutput, SamplingTensors, _argmax, any_penalty, ban, choose, draw,
                            filter_sorted, penalize, row_keys, top_logprobs)
+from jinfer.spec.tree import Tree
 
 ACCEPT_STREAM = 1  # the acceptance test's uniform number, beside the sampler's own draw
 DRAFT_STREAM = 2  # the proposer's sample of a draft token
@@ -64,11 +65,23 @@ class Drafts:
 class VerifyOutput:
   sample: SampleOutput  # every field [S, K+1, ...]: d_1..d_a, then the target's token
   num_accepted: jax.Array  # [S] int32: a; the sequence gains a + 1 tokens
+  stop_row: jax.Array  # [S] int32: the logits row that chose the target's token
+  path: jax.Array | None = None  # [S, D+1] int32, a tree's: the accepted nodes by depth
 
 
-def row_tensors(st: SamplingTensors, vt: VerifyTensors, with_history: bool) -> SamplingTensors:
-  """Per logits row, its sequence's sampling tensors as of the row's position."""
-  r, depth = vt.row_seq, vt.row_depth
+def row_tensors(st: SamplingTensors, vt: VerifyTensors, with_history: bool,
+                tree: Tree | None = None) -> SamplingTensors:
+  """Per logits row, its sequence's sampling tensors as of the row's position: after the drafts
+  before it (its chain's earlier drafts, or its ancestors in a `tree`)."""
+  r, node = vt.row_seq, vt.row_depth
+  k = vt.draft_tokens.shape[1]
+  j = jnp.arange(k)[None, :]
+  if tree is None:
+    depth, before = node, jnp.broadcast_to(j, (r.shape[0], k))  # [R], [R, K]
+  else:  # the drafts before a node are its ancestors', d_(path[depth]) at depth 1..
+    depth = jnp.asarray(tree.depth)[node]
+    path = jnp.asarray(tree.path)[node][:, 1:] - 1  # [R, D]
+    before = jnp.pad(path, ((0, 0), (0, k - path.shape[1])))
   # Without penalties the history is never read: a one-column stand-in spares the gather.
   base = st if with_history else st.replace(history=st.history[:, :1])
   rows = jax.tree.map(lambda a: a[r], base)
@@ -77,12 +90,11 @@ def row_tensors(st: SamplingTensors, vt: VerifyTensors, with_history: bool) -> S
       banned=jnp.where((depth < vt.ban_rows[r])[:, None], rows.banned, -1))
   if not with_history:
     return rows
-  # The drafts before a row count as output tokens for its penalties: d_1..d_depth follow the
-  # sequence's tokens in its history.
-  k = vt.draft_tokens.shape[1]
-  j = jnp.arange(k)[None, :]
+  # The drafts before a row count as output tokens for its penalties: they follow the sequence's
+  # tokens in its history.
   pos = jnp.sum(st.history >= 0, axis=1)[r][:, None] + j  # [R, K]
-  val = jnp.where(j < depth[:, None], vt.draft_tokens[r], -1)
+  val = jnp.where(j < depth[:, None],
+                  jnp.take_along_axis(vt.draft_tokens[r], jnp.maximum(before, 0), axis=1), -1)
   hist = rows.history.at[jnp.arange(r.shape[0])[:, None], pos].set(val, mode="drop")
   return rows.replace(history=hist)
 
@@ -141,7 +153,72 @@ def accept(logits: jax.Array, st: SamplingTensors, vt: VerifyTensors,
   j = jnp.arange(k + 1)[None, :]
   drafts = jnp.pad(vt.draft_tokens, ((0, 0), (0, 1)))  # [S, K+1]
   tokens = jnp.where(j < a[:, None], drafts, jnp.where(j == a[:, None], final[:, None], 0))
+  return VerifyOutput(_gather(logits, rst, chain, tokens), a, stop)
+
+
+def _gather(logits: jax.Array, rst: SamplingTensors, rows: jax.Array,
+            tokens: jax.Array) -> SampleOutput:
+  """The output of each sequence's tokens [S, K+1], the j-th chosen at logits row rows[s, j]."""
   lse, top_lp, top_ids = top_logprobs(logits, rst.num_logprobs)  # [R], [R, N], [R, N]
-  token_lp = logits[chain, tokens] - lse[chain]  # [S, K+1]
-  return VerifyOutput(SampleOutput(tokens=tokens.astype(jnp.int32), logprobs=token_lp,
-                                   top_ids=top_ids[chain], top_logprobs=top_lp[chain]), a)
+  token_lp = logits[rows, tokens] - lse[rows]  # [S, K+1]
+  return SampleOutput(tokens=tokens.astype(jnp.int32), logprobs=token_lp, top_ids=top_ids[rows],
+                      top_logprobs=top_lp[rows])
+
+
+@struct.dataclass
+class Typical:
+  """Medusa's typical acceptance (opt-in, NOT lossless): a sampled row accepts a child whose
+  probability under the target (at the row's temperature) exceeds
+  min(threshold, alpha * exp(-entropy)), even where exact sampling would not have drawn it."""
+  threshold: float = struct.field(pytree_node=False, default=0.09)
+  alpha: float = struct.field(pytree_node=False, default=0.3)
+
+
+def accept_tree(logits: jax.Array, st: SamplingTensors, vt: VerifyTensors, tree: Tree,
+                typical: Typical | None = None) -> VerifyOutput:
+  """Verify each sequence's candidate tree: its rows are the tree's first m + 1 nodes (root
+  first), `draft_tokens[s, n - 1]` the token of node n, `chain[s, n]` node n's logits row.
+
+  At every node the target picks its own token exactly as `sample` would at that position
+  (argmax, or a draw with the request's key for the token's position, after the request's
+  processing with the node's ancestors as output so far); the walk moves to the child holding
+  that token, and stops at a node with none, emitting the target's pick there. This is
+  SpecInfer's multi-candidate rule for candidates whose proposal is deterministic (q one-hot on
+  each child in turn: child c is accepted with probability p(c) of what the earlier children
+  left, and the residual after all of them is p without them), so the output is distributed as
+  p; and since the draw is the sampler's own, a seeded request emits the same tokens as without
+  speculation."""
+  s, k = vt.draft_tokens.shape
+  rows_of = vt.chain  # [S, K+1]
+  rst = row_tensors(st, vt, with_history=False, tree=tree)
+  x = jax.lax.cond(any_penalty(st),
+                   lambda l: penalize(l, row_tensors(st, vt, with_history=True, tree=tree)),
+                   lambda l: l, logits)
+  x = ban(x, rst.banned)  # [R, V]
+  pick = choose(x, rst)  # [R]: the target's token at each node
+  parent_row = rows_of[:, jnp.asarray(tree.parent[1:])]  # [S, K]
+  live = jnp.arange(1, k + 1)[None, :] <= vt.num_drafts[:, None]  # [S, K]
+  ok = vt.draft_tokens == pick[parent_row]
+  if typical is not None:
+    temp = jnp.maximum(rst.temperature, 1e-6)[:, None]
+    p = jax.nn.softmax(x / temp, axis=-1)  # [R, V]
+    entropy = -jnp.sum(jnp.where(p > 0, p * jnp.log(p), 0.0), axis=-1)
+    bar = jnp.minimum(typical.threshold, typical.alpha * jnp.exp(-entropy))  # [R]
+    p_child = p[parent_row, vt.draft_tokens]  # [S, K]
+    sampled = (rst.temperature > 0)[parent_row]
+    ok = jnp.where(sampled, p_child > bar[parent_row], ok)
+  ok = jnp.pad(ok & live, ((0, 0), (1, 0)), constant_values=True)  # [S, K+1], the root's too
+  visible = jnp.asarray(tree.visible)  # [K+1, K+1]
+  whole = jnp.all(ok[:, None, :] | ~visible[None], axis=-1)  # [S, K+1]: node and ancestors ok
+  depth = jnp.asarray(tree.depth)
+  best = jnp.argmax(jnp.where(whole, depth[None, :], -1), axis=1)  # [S] the deepest such node
+  a = depth[best]  # [S]
+  path = jnp.asarray(tree.path)[best]  # [S, D+1]
+  stop = jnp.take_along_axis(rows_of, best[:, None], axis=1)[:, 0]  # [S]
+  j = jnp.arange(k + 1)[None, :]
+  path_k = jnp.pad(path, ((0, 0), (0, k - tree.max_depth)), mode="edge")  # [S, K+1]
+  drafts = jnp.take_along_axis(vt.draft_tokens, jnp.maximum(path_k[:, 1:] - 1, 0), axis=1)
+  drafts = jnp.pad(drafts, ((0, 0), (0, 1)))  # [S, K+1]: the path's tokens by depth
+  tokens = jnp.where(j < a[:, None], drafts, jnp.where(j == a[:, None], pick[stop][:, None], 0))
+  rows = jnp.take_along_axis(rows_of, path_k, axis=1)  # [S, K+1]: the row choosing token j
+  return VerifyOutput(_gather(logits, rst, rows, tokens), a, stop, path)

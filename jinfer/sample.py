@@ -140,12 +140,17 @@ def top_logprobs(logits: jax.Array, num_logprobs: jax.Array) -> tuple[jax.Array,
   return lse, top_lp, top_ids.astype(jnp.int32)
 
 
-def sample(logits: jax.Array, st: SamplingTensors) -> SampleOutput:
-  """logits: [S, V] float32 straight from the model."""
-  x = process(logits, st)
+def choose(x: jax.Array, st: SamplingTensors) -> jax.Array:  # [S] int32
+  """Each row's token from its processed logits x [S, V]: the argmax for greedy rows, a draw
+  with the row's own key for the others."""
   greedy = _argmax(x)
   sampled = jax.lax.cond(jnp.any(st.temperature > 0), _sample_filtered, lambda l, _: greedy, x, st)
-  tokens = jnp.where(st.temperature > 0, sampled, greedy)
+  return jnp.where(st.temperature > 0, sampled, greedy)
+
+
+def sample(logits: jax.Array, st: SamplingTensors) -> SampleOutput:
+  """logits: [S, V] float32 straight from the model."""
+  tokens = choose(process(logits, st), st)
   lse, top_lp, top_ids = top_logprobs(logits, st.num_logprobs)
   token_lp = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
   return SampleOutput(tokens=tokens, logprobs=token_lp, top_ids=top_ids, top_logprobs=top_lp)

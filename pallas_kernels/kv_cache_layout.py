@@ -58,3 +58,12 @@ def write_kv(cache: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Arra
   # The advanced indices (layer, pages, offs) broadcast to [T] and are separated by slices, so
   # the indexed result is laid out [T, 2, Hkv, D], matching kv.
   return cache.at[layer, pages, :, :, offs, :].set(kv, mode="drop", unique_indices=False)
+
+
+def copy_slots(cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+  """Copy every layer's K/V from slots `src` to slots `dst` [N] (all read before any is
+  written; a negative `dst` copies nothing). In place when the cache is donated."""
+  page_size = cache.shape[4]
+  kv = cache[:, src // page_size, :, :, src % page_size, :]  # [N, L, 2, Hkv, D]
+  pages = jnp.where(dst >= 0, dst // page_size, cache.shape[1])  # out of range: dropped
+  return cache.at[:, pages, :, :, dst % page_size, :].set(kv, mode="drop")

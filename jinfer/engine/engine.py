@@ -25,6 +25,7 @@ from jinfer.parallel.sharding import check_tensor_parallel, duplicate_kv_heads
 from jinfer.quant.qarray import quantize_params
 from jinfer.sample import SampleOutput
 from jinfer.sampling_params import SamplingParams
+from jinfer.spec.medusa import MedusaProposer
 from jinfer.spec.ngram import NgramProposer
 from jinfer.spec.proposer import Proposer
 from jinfer.spec.stats import SpecStats
@@ -116,7 +117,8 @@ class LLMEngine:
     if spec is not None:
       if jax.process_count() > 1:
         raise ValueError("speculative decoding does not run on several processes yet")
-      self.proposer = self._make_proposer(spec, model_config, params, tokenizer, dtype)
+      if spec.method != "medusa":  # Medusa's heads run in the target's step: made below
+        self.proposer = self._make_proposer(spec, model_config, params, tokenizer, dtype)
       self.spec_stats = SpecStats(spec.num_speculative_tokens)
     self.scheduler = Scheduler(config.scheduler_config(), self.blocks,
                                lookahead=self._lookahead if spec is not None else None)
@@ -135,10 +137,13 @@ class LLMEngine:
       params = quantize_params(params, linear_kernels(run_config))
     # One device gets no mesh in the kernels: attention skips the per-shard wrapper.
     kernels = config.kernel_options(mesh if par.is_parallel else None)
+    if spec is not None and spec.method == "medusa":
+      self.proposer = MedusaProposer.load(spec, run_config, params, kernels, dtype)
     self.runner = ModelRunner(run_config, params, config.kv_spec(run_config, dtype),
                               self.buckets, kernels=kernels, dtype=dtype,
                               unrolled_max_tokens=config.unrolled_max_tokens(), mesh=mesh,
-                              expert_parallel=config.enable_expert_parallel)
+                              expert_parallel=config.enable_expert_parallel,
+                              medusa=self.proposer if spec and spec.method == "medusa" else None)
     self.groups: dict[str, _Group] = {}
     self._seed_rng = np.random.default_rng(config.seed)
     self._ids = itertools.count()
@@ -292,8 +297,9 @@ class LLMEngine:
       # and not cut off by a stop). The rest roll back.
       a = 0 if res.num_accepted is None else int(res.num_accepted[i])
       if self.proposer is not None:
-        self.spec_stats.record(m, a)
-        self.proposer.on_verified(seq, m, a)
+        self.spec_stats.record(self.proposer.depth(m), a)
+        self.proposer.on_verified(seq, m, a,
+                                  None if res.proposals is None else res.proposals[i])
       kept = 0
       try:
         if res.num_accepted is None:
@@ -327,16 +333,19 @@ class LLMEngine:
     return self.runner.cache_resets + (self.proposer.cache_resets if self.proposer else 0)
 
   def _lookahead(self, seq: Sequence) -> int:
-    """Draft rows `seq` may verify this step: k, fewer near its token limits (a step yields up
-    to m + 1 tokens), none while the running batch is too large for speculation to pay."""
+    """Draft rows `seq` may verify this step: k (or a tree's nodes), fewer near its token limits
+    (a step yields up to depth + 1 tokens, and each row takes a slot), none while the running
+    batch is too large for speculation to pay."""
     spec = self.config.speculative_config
     if (spec.disable_by_batch_size is not None
         and len(self.scheduler.running) > spec.disable_by_batch_size):
       return 0
     p = seq.params
     max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
-    return max(0, min(spec.num_speculative_tokens, max_tokens - len(seq.output_token_ids) - 1,
-                      self.max_model_len - seq.num_tokens - 1))
+    room = self.max_model_len - seq.num_tokens - 1
+    depth = max(0, min(spec.num_speculative_tokens, max_tokens - len(seq.output_token_ids) - 1,
+                       room))
+    return min(self.proposer.lookahead(seq, depth), room)
 
   def _fill_drafts(self, batch: ScheduledBatch):
     """Let the proposer fill the draft rows the scheduler gave; none in a step that carries

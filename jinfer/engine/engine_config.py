@@ -136,12 +136,13 @@ class EngineConfig:
                    # Single-stream decode runs a 1-token bucket; context parallelism needs
                    # every bucket a multiple of 2 x CP (each rank holds two chunks).
                    smallest_bucket=1 if cp == 1 else 2 * cp,
-                   num_speculative_tokens=self.num_speculative_tokens)
+                   num_speculative_tokens=self.num_draft_rows,
+                   tree=None if self.speculative_config is None else self.speculative_config.tree())
 
   @property
-  def num_speculative_tokens(self) -> int:
+  def num_draft_rows(self) -> int:
     spec = self.speculative_config
-    return 0 if spec is None else spec.num_speculative_tokens
+    return 0 if spec is None else spec.num_draft_rows
 
   def kv_spec(self, model: ModelConfig, dtype) -> KVCacheSpec:
     return KVCacheSpec(num_layers=model.num_layers, num_pages=self.resolved_num_pages(),

@@ -69,6 +69,10 @@ class Sequence:
   # still lacks (1 after a step accepted every draft: the last draft was verified, never fed to
   # the draft). The draft catches up on them next step; 0 whenever num_computed_tokens resets.
   draft_lag: int = 0
+  # Medusa: the heads' candidates [H, topk] for the token after the first `candidates_at`
+  # tokens (stale once the sequence has more or fewer).
+  candidates: object = None
+  candidates_at: int = -1
   status: Status = Status.WAITING
   finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
   stop_reason: int | str | None = None

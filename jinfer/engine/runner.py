@@ -12,7 +12,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jinfer.accept import Drafts, accept
+from jinfer.accept import Drafts, accept, accept_tree
 from jinfer.config import ModelConfig
 from jinfer.engine import compilation_cache
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
@@ -22,6 +22,7 @@ from jinfer.parallel import distributed, sharding
 from jinfer.quant.qarray import param_bytes
 from jinfer.sample import SampleOutput, sample
 from jinfer.sampling_params import MAX_LOGPROBS
+from jinfer.spec.medusa import MedusaProposer, MedusaStep, keep_path
 from pallas_kernels import KVCacheSpec
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ class StepOutput:
   # the target's token.
   sample: SampleOutput
   num_accepted: jax.Array | None  # [S] int32, verify steps only
-  hidden: jax.Array | None  # [S or R, E]: final hidden states of the logits rows, when asked for
+  # Medusa: each sequence's candidates [S, H, topk] for the token after this step's last one.
+  proposals: jax.Array | None
   prompt_logprobs: PromptLogprobs | None  # when the step carries prompt_logprobs requests
   # [MoE layers, experts] int32: tokens this step routed to each expert (live rows only);
   # None for a dense model.
@@ -52,25 +54,33 @@ def _expert_load(state) -> jax.Array | None:
   return None if load is None else load["tokens_per_expert"][0]
 
 
-def _step(model: CausalLM, return_hidden: bool, params, kv_cache, inp: StepInput,
-          drafts: Drafts | None) -> tuple:
+def _step(model: CausalLM, medusa: MedusaStep | None, params, kv_cache, inp: StepInput,
+          drafts: Drafts | None, heads: dict | None) -> tuple:
+  """`medusa` (static) and `heads`: the target proposes its next step's candidates too."""
   token_ids = inp.token_ids
   if drafts is not None:  # a device proposer's tokens take their verify rows
     token_ids = token_ids.at[inp.verify.draft_rows].set(drafts.tokens, mode="drop")
   apply = functools.partial(model.apply, {"params": params}, token_ids, inp.positions,
-                            kv_cache, inp.md, return_hidden=return_hidden,
+                            kv_cache, inp.md, return_hidden=medusa is not None,
                             mutable=["expert_load"])
+  propose = lambda h: None if medusa is None else medusa.propose(heads, params, h)
   if inp.verify is not None:
     vt = inp.verify.tensors
     if drafts is not None:
       vt = vt.replace(draft_tokens=drafts.tokens)
     (logits, hidden, kv_cache), state = apply(inp.verify.logits_rows)  # [R, V]
-    out = accept(logits, inp.sampling, vt, None if drafts is None else drafts.probs)
-    return StepOutput(out.sample, out.num_accepted, hidden, None,
+    if medusa is not None:
+      out = accept_tree(logits, inp.sampling, vt, medusa.tree, medusa.typical)
+      kv_cache = keep_path(kv_cache, inp.md, out)
+      proposals = propose(hidden[out.stop_row])
+    else:
+      out = accept(logits, inp.sampling, vt, None if drafts is None else drafts.probs)
+      proposals = None
+    return StepOutput(out.sample, out.num_accepted, proposals, None,
                       _expert_load(state)), kv_cache
   if not inp.prompt_logprobs:
     (logits, hidden, kv_cache), state = apply(inp.logits_indices)  # [S, V]
-    return StepOutput(sample(logits, inp.sampling), None, hidden, None,
+    return StepOutput(sample(logits, inp.sampling), None, propose(hidden), None,
                       _expert_load(state)), kv_cache
   (rows, hidden, kv_cache), state = apply()  # [T, V]
   lp = jax.nn.log_softmax(rows, axis=-1)
@@ -78,7 +88,7 @@ def _step(model: CausalLM, return_hidden: bool, params, kv_cache, inp: StepInput
   target = jnp.take_along_axis(lp, inp.target_ids[:, None], axis=-1)[:, 0]
   return StepOutput(
       sample(rows[inp.logits_indices], inp.sampling), None,
-      None if hidden is None else hidden[inp.logits_indices],
+      None if hidden is None else propose(hidden[inp.logits_indices]),
       PromptLogprobs(target=target, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp),
       _expert_load(state),
   ), kv_cache
@@ -98,7 +108,7 @@ class ModelRunner:
 
   def __init__(self, config: ModelConfig, params: dict, spec: KVCacheSpec, buckets: Buckets, *,
                kernels: KernelOptions, dtype, unrolled_max_tokens: int,
-               return_hidden: bool = False, mesh: Mesh | None = None,
+               medusa: MedusaProposer | None = None, mesh: Mesh | None = None,
                expert_parallel: bool = False):
     self.config, self.spec, self.buckets, self.mesh = config, spec, buckets, mesh
     out_shardings = None
@@ -111,7 +121,8 @@ class ModelRunner:
       unrolled_max_tokens = 0
     self.unrolled_max_tokens = unrolled_max_tokens
     # The cache is donated: XLA updates it in place instead of copying it every step.
-    jit = lambda model: jax.jit(functools.partial(_step, model, return_hidden),
+    self.heads = None if medusa is None else medusa.heads
+    jit = lambda model: jax.jit(functools.partial(_step, model, medusa and medusa.step),
                                 donate_argnums=(1,), out_shardings=out_shardings)
     scanned = buckets.token_buckets[-1] > unrolled_max_tokens
     self.model = CausalLM(config, kernels, dtype=dtype, scan_layers=scanned)
@@ -162,9 +173,10 @@ class ModelRunner:
   def _run(self, inp: StepInput, drafts: Drafts | None) -> StepOutput:
     try:
       if self._small is not None and inp.token_ids.shape[0] <= self.unrolled_max_tokens:
-        out, self.kv_cache = self._small[0](self._small[1], self.kv_cache, inp, drafts)
+        out, self.kv_cache = self._small[0](self._small[1], self.kv_cache, inp, drafts,
+                                            self.heads)
       else:
-        out, self.kv_cache = self._step(self.params, self.kv_cache, inp, drafts)
+        out, self.kv_cache = self._step(self.params, self.kv_cache, inp, drafts, self.heads)
     except Exception:
       # The cache was donated to the failed call: if XLA consumed it, start from an empty one
       # (the caller must then treat every cached token as gone).

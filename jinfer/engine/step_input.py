@@ -10,6 +10,8 @@ With speculative decoding (k drafts), a step where some sequence verifies drafts
 step, a second variant per `T`: each such sequence's rows are `[last, d1..dm]` (m <= k, verify
 rows of the attention contract, `verify_width = k + 1`), and logits come out at
 `R = min(T, S * (k + 1))` rows, every sequence's chain of m + 1 rows (see `jinfer/accept.py`).
+With a candidate tree (Medusa) the m drafts are the tree's first m nodes: their rows sit at
+positions by depth and see their ancestors (the tree mask), see `jinfer/spec/tree.py`.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from jinfer.accept import VerifyTensors
 from jinfer.engine.request import Sequence
 from jinfer.engine.scheduler import ScheduledBatch
 from jinfer.sample import SamplingTensors
+from jinfer.spec.tree import Tree
 from pallas_kernels import AttentionMetadata
 
 MAX_BANNED = 16  # EOS and stop token ids suppressed while min_tokens is not reached
@@ -65,6 +68,7 @@ class Buckets:
   max_model_len: int
   num_speculative_tokens: int = 0  # k; > 0 adds the verify variant of every bucket
   smallest_bucket: int = 1
+  tree: Tree | None = None  # verify steps check this tree's first k nodes, not a chain of k
 
   @property
   def token_buckets(self) -> list[int]:
@@ -101,6 +105,8 @@ def empty_step_input(b: Buckets, t: int, prompt_logprobs: bool = False,
     extra = dict(draft_tokens=z(s, k), num_drafts=z(s), row_seq=z(r), row_depth=z(r),
                  chain=z(s, k + 1), ban_rows=z(s), draft_rows=np.full((s, k), t, np.int32),
                  logits_rows=z(r))
+    if b.tree is not None:  # every row sees itself; a sequence's tree rows are set as built
+      extra["tree_mask"] = np.arange(k + 1)[None, :] == np.zeros((t, 1), np.int32)
   else:
     extra = {}
   return extra | dict(
@@ -124,7 +130,7 @@ def to_step_input(a: dict, b: Buckets) -> StepInput:
   pick = lambda cls: cls(**{f.name: a[f.name] for f in dataclasses.fields(cls)})
   verify = None
   if "draft_rows" in a:
-    md = md.replace(verify_width=b.num_speculative_tokens + 1)
+    md = md.replace(verify_width=b.num_speculative_tokens + 1, tree_mask=a.get("tree_mask"))
     verify = VerifyInput(tensors=pick(VerifyTensors), draft_rows=a["draft_rows"],
                          logits_rows=a["logits_rows"])
   return StepInput(token_ids=a["token_ids"], positions=a["positions"], md=md,
@@ -158,6 +164,9 @@ def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
         nxt = seq.token_ids[start + 1:start + n + 1]
         a["target_ids"][off:off + len(nxt)] = nxt
       a["positions"][off:off + n] = pos
+      if m and b.tree is not None:  # a tree's rows sit at positions by depth, see their ancestors
+        a["positions"][off + n - m - 1:off + n] = start + n - m - 1 + b.tree.depth[:m + 1]
+        a["tree_mask"][off + n - m - 1:off + n, :m + 1] = b.tree.visible[:m + 1, :m + 1]
       pages = np.asarray(seq.pages, np.int32)
       a["slot_mapping"][off:off + n] = pages[pos // page_size] * page_size + pos % page_size
       a["block_table"][i, :len(pages)] = pages

@@ -1,5 +1,6 @@
 """Model stack: pure functions of (params, tokens, positions, kv cache, attention metadata)."""
-from jinfer.models.llama import (CausalLM, linear_kernels, logical_axes, param_shapes,
+from jinfer.models.llama import (CausalLM, linear_kernels, lm_head, logical_axes, param_shapes,
                                  unstack_layers)
 
-__all__ = ["CausalLM", "linear_kernels", "logical_axes", "param_shapes", "unstack_layers"]
+__all__ = ["CausalLM", "linear_kernels", "lm_head", "logical_axes", "param_shapes",
+           "unstack_layers"]

@@ -301,16 +301,28 @@ class CausalLM(nn.Module):
     x = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="norm")(x)
     if logits_indices is not None:
       x = x[logits_indices]  # [S, E]
-    if isinstance(embed, QArray):
-      logits = int8_matmul(x, embed.values, embed.scale, mode=HEAD_MODE,
-                           backend=self.kernels.matmul, interpret=self.kernels.interpret,
-                           transpose_w=True)
-    elif c.tie_word_embeddings:
-      logits = x @ embed.T.astype(x.dtype)
+    if c.tie_word_embeddings:
+      logits = _tied_head(x, embed, self.kernels)
     else:
       logits = Linear((c.hidden_size, c.vocab_size), ("embed", "vocab"), self.kernels,
                       dtype=self.dtype, name="lm_head")(x)
     return logits.astype(jnp.float32), (x if return_hidden else None), kv_cache
+
+
+def _tied_head(x: jax.Array, embed, kernels: KernelOptions) -> jax.Array:
+  if isinstance(embed, QArray):
+    return int8_matmul(x, embed.values, embed.scale, mode=HEAD_MODE, backend=kernels.matmul,
+                       interpret=kernels.interpret, transpose_w=True)
+  return x @ embed.T.astype(x.dtype)
+
+
+def lm_head(params: dict, config: ModelConfig, kernels: KernelOptions, x: jax.Array) -> jax.Array:
+  """The model's LM head outside the model: final hidden states x [N, E] -> logits [N, V]
+  (Medusa's shared heads project through it)."""
+  if config.tie_word_embeddings:
+    return _tied_head(x, params["embedding"], kernels)
+  return Linear((config.hidden_size, config.vocab_size), ("embed", "vocab"), kernels,
+                dtype=x.dtype).apply({"params": params["lm_head"]}, x)
 
 
 def _embedding_init(kernels: KernelOptions, key, shape, dtype):

@@ -7,17 +7,25 @@ import numbers
 import os
 from typing import Any
 
+from jinfer.spec.medusa_heads import META, PUBLISHED_FILE, heads_meta, is_medusa_checkpoint
+from jinfer.spec.tree import Tree, default_choices
 from jinfer.weights.builtin import is_builtin
 
-METHODS = ("ngram", "draft_model")
+DEFAULT_TREE_NODES = 10
+
+METHODS = ("ngram", "draft_model", "medusa")
 MAX_SPECULATIVE_TOKENS = 16
+ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
-  method: str  # "ngram" (prompt lookup, no model) or "draft_model"
-  num_speculative_tokens: int  # k: drafts verified per sequence and step
-  model: str | None = None  # draft_model: a draft checkpoint, HF directory, .gguf or built-in
+  method: str  # "ngram" (prompt lookup, no model), "draft_model" or "medusa"
+  # k: drafts verified per sequence and step; for medusa, the heads used (the tree's depth)
+  num_speculative_tokens: int
+  # draft_model: a draft checkpoint, HF directory, .gguf or built-in; medusa: a heads checkpoint
+  # (ours, or a directory or file of published `medusa_lm_head.safetensors`)
+  model: str | None = None
   # ngram: the longest and shortest suffix of the sequence looked up in its earlier tokens.
   prompt_lookup_max: int | None = None
   prompt_lookup_min: int | None = None
@@ -25,6 +33,16 @@ class SpeculativeConfig:
   # Verifying k+1 rows per sequence pays where a step's cost hardly grows with its rows (one
   # sequence, a memory-bound accelerator); on a compute-bound one a large batch loses.
   disable_by_batch_size: int | None = None
+  # medusa: the candidate tree, as paths of per-head candidate indices (Medusa's
+  # `medusa_choices`); None: the best tree of `DEFAULT_TREE_NODES` nodes for the heads' measured
+  # accuracy (see `jinfer/spec/tree.py`).
+  medusa_choices: list | None = None
+  # medusa: "rejection_sampler" keeps the target's distribution exactly; Medusa's
+  # "typical_acceptance_sampler" accepts any candidate more likely than
+  # min(posterior_threshold, posterior_alpha * exp(-entropy)): longer acceptance, NOT lossless.
+  acceptance_method: str = "rejection_sampler"
+  posterior_threshold: float = 0.09
+  posterior_alpha: float = 0.3
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -45,7 +63,7 @@ class SpeculativeConfig:
                          f"prompt_lookup_max ({hi})")
       object.__setattr__(self, "prompt_lookup_min", lo)
       object.__setattr__(self, "prompt_lookup_max", hi)
-    else:
+    elif self.method == "draft_model":
       if not isinstance(self.model, str) or not self.model:
         raise ValueError("speculative_config: method 'draft_model' needs model, the draft's "
                          "path or built-in name")
@@ -53,9 +71,29 @@ class SpeculativeConfig:
               or (os.path.isfile(self.model) and self.model.endswith(".gguf"))):
         raise ValueError(f"speculative_config: model {self.model!r} is not a built-in name, a "
                          f"directory (a draft checkpoint or HF model) or a .gguf file")
+    else:
+      if not isinstance(self.model, str) or not is_medusa_checkpoint(self.model):
+        raise ValueError(f"speculative_config: method 'medusa' needs model, a Medusa heads "
+                         f"checkpoint (a directory with {META} or {PUBLISHED_FILE}); got "
+                         f"{self.model!r}")
+      if self.acceptance_method not in ACCEPTANCE_METHODS:
+        raise ValueError(f"speculative_config: acceptance_method must be one of "
+                         f"{', '.join(ACCEPTANCE_METHODS)}, got {self.acceptance_method!r}")
+      for name in ("posterior_threshold", "posterior_alpha"):
+        v = getattr(self, name)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v <= 1:
+          raise ValueError(f"speculative_config: {name} must be in (0, 1], got {v!r}")
+      tree = self._medusa_tree()
+      object.__setattr__(self, "_tree", tree)
+      object.__setattr__(self, "medusa_choices", [list(c) for c in tree.choices])
+    if self.method != "ngram":
       for name in ("prompt_lookup_min", "prompt_lookup_max"):
         if getattr(self, name) is not None:
           raise ValueError(f"speculative_config: {name} is for method 'ngram'")
+    if self.method != "medusa":
+      for name in ("medusa_choices",):
+        if getattr(self, name) is not None:
+          raise ValueError(f"speculative_config: {name} is for method 'medusa'")
     if self.disable_by_batch_size is not None:
       _int("disable_by_batch_size", self.disable_by_batch_size, 1)
 
@@ -83,7 +121,35 @@ class SpeculativeConfig:
     return cls(**value)
 
   def to_dict(self) -> dict[str, Any]:
-    return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+    d = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+    if self.method != "medusa":
+      for name in ("acceptance_method", "posterior_threshold", "posterior_alpha"):
+        d.pop(name)
+    return d
+
+  @property
+  def num_draft_rows(self) -> int:
+    """Verify rows a sequence may add to a step: k, or the tree's nodes."""
+    return self.tree().num_nodes if self.method == "medusa" else self.num_speculative_tokens
+
+  def tree(self) -> Tree | None:
+    """Medusa's candidate tree; None for the other methods."""
+    return getattr(self, "_tree", None)
+
+  def _medusa_tree(self) -> Tree:
+    choices = self.medusa_choices
+    if choices is None:
+      meta = heads_meta(self.model)
+      if meta["num_heads"] < self.num_speculative_tokens:
+        raise ValueError(f"speculative_config: num_speculative_tokens is "
+                         f"{self.num_speculative_tokens}; {self.model} has {meta['num_heads']} "
+                         f"heads")
+      choices = default_choices(self.num_speculative_tokens, meta.get("rank_hits"),
+                                DEFAULT_TREE_NODES)
+    if not isinstance(choices, (list, tuple)):
+      raise ValueError(f"speculative_config: medusa_choices must be a list of paths, got "
+                       f"{type(choices).__name__}")
+    return Tree.of(choices, self.num_speculative_tokens)
 
 
 def _int(name: str, v, lo: int, hi: int | None = None) -> None:

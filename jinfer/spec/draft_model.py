@@ -183,7 +183,8 @@ class DraftModelProposer(Proposer):
       raise
     return drafts
 
-  def on_verified(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+  def on_verified(self, seq: Sequence, num_drafts: int, num_accepted: int,
+                  proposals=None) -> None:
     # Passes 1..m fed the draft everything up to d_{m-1}: if d_m was accepted too, the draft
     # has yet to see it.
     seq.draft_lag = int(num_drafts > 0 and num_accepted == num_drafts)

@@ -94,6 +94,26 @@ def is_medusa_checkpoint(path: str) -> bool:
   return os.path.isfile(os.path.join(path, META)) or _published_file(path) is not None
 
 
+def heads_meta(path: str) -> dict:
+  """What a checkpoint says of its heads without loading them: at least `num_heads`, and
+  `rank_hits` (each head's hit rate per candidate rank) where it was measured."""
+  if os.path.isfile(os.path.join(path, META)):
+    with open(os.path.join(path, META)) as fh:
+      meta = json.load(fh)
+    return {**meta, "num_heads": meta["shapes"]["w"][0],
+            "rank_hits": meta.get("eval", {}).get("rank_hits")}
+  from safetensors import safe_open
+  file = _published_file(path)
+  cfg_file = os.path.join(os.path.dirname(file), "config.json")
+  if os.path.isfile(cfg_file):
+    with open(cfg_file) as fh:
+      heads = json.load(fh).get("medusa_num_heads")
+    if heads:
+      return {"num_heads": int(heads)}
+  with safe_open(file, framework="numpy") as st:
+    return {"num_heads": 1 + max(int(k.split(".")[0]) for k in st.keys())}
+
+
 def save_heads(path: str, params: dict, meta: dict, dtype=jnp.bfloat16) -> None:
   """Our format; float leaves stored as `dtype`. `meta` says what the heads fit (hidden_size,
   vocab_size) and how they were made."""
@@ -103,7 +123,8 @@ def save_heads(path: str, params: dict, meta: dict, dtype=jnp.bfloat16) -> None:
   save_params(os.path.join(path, "params"), tree)
   shapes = {k: list(v.shape) for k, v in params.items()}
   with open(os.path.join(path, META), "w") as fh:
-    json.dump({"format": FORMAT, "shapes": shapes, **meta}, fh, indent=2)
+    json.dump({"format": FORMAT, "shapes": shapes, "dtype": jnp.dtype(dtype).name, **meta}, fh,
+              indent=2)
 
 
 def load_heads(path: str, target: ModelConfig, dtype=jnp.float32) -> tuple[dict, dict]:
@@ -113,7 +134,8 @@ def load_heads(path: str, target: ModelConfig, dtype=jnp.float32) -> tuple[dict,
       meta = json.load(fh)
     if meta.get("format") != FORMAT:
       raise ValueError(f"{path}: not a {FORMAT} checkpoint (format {meta.get('format')!r})")
-    like = {k: jax.ShapeDtypeStruct(tuple(s), jnp.int32 if k == "vocab" else jnp.bfloat16)
+    stored = jnp.dtype(meta.get("dtype", "bfloat16"))
+    like = {k: jax.ShapeDtypeStruct(tuple(s), jnp.int32 if k == "vocab" else stored)
             for k, s in meta["shapes"].items()}
     params = restore_params(os.path.join(path, "params"), like)
   else:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import abc
 
+import numpy as np
+
 from jinfer.accept import Drafts
 from jinfer.engine.request import Sequence
 from jinfer.engine.scheduler import ScheduledBatch
@@ -33,8 +35,18 @@ class Proposer(abc.ABC):
     """Device-side proposals for the batch (None: host proposals, or none speculates)."""
     return None
 
-  def on_verified(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-    """`seq` gained `num_accepted` of its `num_drafts` drafts (and one more token)."""
+  def lookahead(self, seq: Sequence, depth: int) -> int:
+    """Verify rows `seq` may add to a step in which it can gain at most `depth` drafts."""
+    return depth
+
+  def depth(self, num_drafts: int) -> int:
+    """The most drafts a sequence verifying `num_drafts` rows can gain (a tree's depth)."""
+    return num_drafts
+
+  def on_verified(self, seq: Sequence, num_drafts: int, num_accepted: int,
+                  proposals: np.ndarray | None = None) -> None:
+    """`seq` gained `num_accepted` of its `num_drafts` drafts (and one more token); `proposals`:
+    what the step proposed for its next step, if the target's step proposes (Medusa)."""
 
   @property
   def cache_resets(self) -> int:

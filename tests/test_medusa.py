@@ -1,0 +1,339 @@
+"""Medusa: candidate trees, tree verification in the model (every node's logits as if its path
+were decoded one token at a time, and the accepted path's K/V moved where sequential decoding
+would have put it), the tree walk's acceptance, heads in both on-disk formats, and the engine:
+greedy and seeded output identical to no speculation, in batches with chunked prefill,
+preemption and prefix hits, no page leaks, no compiles after warmup, precise errors."""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from jinfer.accept import Typical, VerifyTensors, accept_tree
+from jinfer.engine.engine_config import EngineConfig
+from jinfer.models import CausalLM
+from jinfer.models.kernel_options import KernelOptions
+from jinfer.sample import SamplingTensors
+from jinfer.sampling_params import SamplingParams
+from jinfer.spec import medusa_heads as mh
+from jinfer.spec.config import SpeculativeConfig
+from jinfer.spec.medusa import keep_path
+from jinfer.spec.tree import Tree, best_choices, chain_choices, default_choices
+from pallas_kernels import AttentionMetadata, KVCacheSpec
+from tests.engine_fixtures import CompileCounter, make_engine
+
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]]
+
+
+# -- the tree ---------------------------------------------------------------------------------
+def test_tree_orders_nodes_breadth_first_with_ancestors():
+  t = Tree.of([[1, 0], [0], [1], [0, 0], [0, 0, 0]], num_heads=3)
+  assert t.choices == ((0,), (1,), (0, 0), (1, 0), (0, 0, 0))
+  assert t.parent.tolist() == [0, 0, 0, 1, 2, 3] and t.depth.tolist() == [0, 1, 1, 2, 2, 3]
+  assert t.visible[5].tolist() == [True, True, False, True, False, True]
+  assert t.path[5].tolist() == [0, 1, 3, 5] and t.path[2].tolist() == [0, 2, 2, 2]
+  assert t.topk == 2 and t.nodes_within(1) == 2 and t.depth_of(4) == 2
+
+
+@pytest.mark.parametrize("choices, says", [
+    ([[0, 0]], "lacks its parent"), ([[0], [0]], "listed twice"), ([[0], [0, 0, 0, 0]], "deep"),
+    ([], "at least one"), ([[0], [-1]], "integers >= 0"), ([[0], "a"], "integers >= 0")])
+def test_a_bad_tree_is_refused(choices, says):
+  with pytest.raises(ValueError, match=says):
+    Tree.of(choices, num_heads=3)
+
+
+def test_best_tree_keeps_the_likeliest_paths():
+  hits = [[0.6, 0.2, 0.1], [0.4, 0.1, 0.05]]
+  got = best_choices(hits, 5)
+  # chances 0.6, 0.24, 0.2, 0.1, 0.08, ahead of (0, 1)'s 0.06
+  assert got == [(0,), (0, 0), (1,), (2,), (1, 0)]
+  for n in range(1, 8):  # every prefix of the growth is a tree
+    Tree.of(best_choices(hits, n), num_heads=2)
+  assert default_choices(3, num_nodes=6)[0] == (0,)
+  assert chain_choices(3) == [(0,), (0, 0), (0, 0, 0)]
+
+
+# -- tree rows in the model -------------------------------------------------------------------
+PAD = 32  # every forward pass below runs 32 rows (padding after the real ones): few compiles
+
+
+def _forward(model, params, cache, tokens, positions, slots, kv_len, tree_mask=None):
+  t = len(tokens)
+  pad = lambda xs: np.pad(np.asarray(list(xs), np.int32), (0, PAD - t))  # padding: sink page
+  width = 1 if tree_mask is None else tree_mask.shape[1]
+  mask = None if tree_mask is None else np.pad(tree_mask, ((0, PAD - t), (0, 0)))
+  md = AttentionMetadata(
+      slot_mapping=jnp.asarray(pad(slots)), block_table=jnp.arange(1, 9)[None],
+      kv_lens=jnp.asarray([kv_len], jnp.int32), cu_q_lens=jnp.asarray([0, t], jnp.int32),
+      num_seqs=jnp.asarray([1], jnp.int32), max_q_len=PAD, verify_width=width,
+      tree_mask=None if mask is None else jnp.asarray(mask))
+  logits, _, cache = _apply(model)({"params": params}, jnp.asarray(pad(tokens)),
+                                   jnp.asarray(pad(positions)), cache, md, jnp.arange(PAD))
+  return np.asarray(logits)[:t], cache, md
+
+
+def _sequential(model, params, spec, tokens):  # logits of every row of one prefill
+  page = spec.page_size
+  slots = [(1 + p // page) * page + p % page for p in range(len(tokens))]
+  return _forward(model, params, spec.allocate(), tokens, range(len(tokens)), slots,
+                  len(tokens))[0]
+
+
+_jitted = {}
+
+
+def _apply(model):
+  return _jitted.setdefault(id(model), jax.jit(model.apply))
+
+
+_models = {}
+
+
+@pytest.mark.parametrize("attention", ["xla", "reference"])
+def test_tree_rows_equal_decoding_each_path_alone(tiny_model, attention):
+  """For random trees: each node's logits equal those of its path decoded one token at a time
+  (<= 1e-4); after moving an accepted path's K/V, the next token's logits equal sequential
+  decoding's too."""
+  config, params, _ = tiny_model
+  model = _models.setdefault(attention, CausalLM(config, KernelOptions(attention=attention)))
+  spec = KVCacheSpec(num_layers=config.num_layers, num_pages=9, page_size=8,
+                     num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+  rng = np.random.default_rng(0)
+  for trial in range(3):
+    tree = Tree.of(best_choices(rng.dirichlet(np.ones(4), size=3).tolist(), 9), num_heads=3)
+    ctx = rng.integers(3, 49000, 10 + 3 * trial).tolist()
+    tokens = [ctx[-1]] + rng.integers(3, 49000, tree.num_nodes).tolist()  # root, then nodes
+    n = len(ctx) - 1  # cached before the tree step
+    page = spec.page_size
+    slot = lambda p: (1 + p // page) * page + p % page
+    _, cache, _ = _forward(model, params, spec.allocate(), ctx[:-1], range(n),
+                           [slot(p) for p in range(n)], n)
+    rows = tree.num_nodes + 1
+    logits, cache, md = _forward(model, params, cache, tokens, n + tree.depth,
+                                 [slot(n + i) for i in range(rows)], n + rows, tree.visible)
+    for i in range(rows):
+      path = [tokens[j] for j in tree.path[i][1:tree.depth[i] + 1]]
+      want = _sequential(model, params, spec, ctx + path)[-1]
+      np.testing.assert_allclose(logits[i], want, atol=1e-4, rtol=1e-4)
+    # Accept the deepest node's path; decode one more token from the moved K/V.
+    best = int(np.argmax(tree.depth))
+    d = int(tree.depth[best])
+    out = type("Out", (), {"path": jnp.asarray(tree.path[best])[None],
+                           "num_accepted": jnp.asarray([d])})
+    cache = keep_path(cache, md.replace(cu_q_lens=jnp.asarray([0, rows], jnp.int32)), out)
+    path = [tokens[j] for j in tree.path[best][1:]]
+    nxt = int(rng.integers(3, 49000))
+    got, _, _ = _forward(model, params, cache, [nxt], [n + d + 1], [slot(n + d + 1)], n + d + 2)
+    want = _sequential(model, params, spec, ctx + path + [nxt])[-1]
+    np.testing.assert_allclose(got[0], want, atol=1e-4, rtol=1e-4)
+
+
+# -- the walk ---------------------------------------------------------------------------------
+def _walk(tree, logits_by_node, drafts, temperature=0.0, typical=None):
+  """accept_tree for one sequence whose rows are every node of `tree`."""
+  r = tree.num_nodes + 1
+  v = logits_by_node.shape[1]
+  vt = VerifyTensors(draft_tokens=jnp.asarray([drafts], jnp.int32),
+                     num_drafts=jnp.asarray([tree.num_nodes], jnp.int32),
+                     row_seq=jnp.zeros(r, jnp.int32), row_depth=jnp.arange(r, dtype=jnp.int32),
+                     chain=jnp.arange(r, dtype=jnp.int32)[None], ban_rows=jnp.zeros(1, jnp.int32))
+  st = SamplingTensors(
+      temperature=jnp.asarray([temperature], jnp.float32), top_k=jnp.asarray([v], jnp.int32),
+      top_p=jnp.ones(1), min_p=jnp.zeros(1), repetition_penalty=jnp.ones(1),
+      presence_penalty=jnp.zeros(1), frequency_penalty=jnp.zeros(1),
+      seeds=jnp.zeros(1, jnp.uint32), gen_idx=jnp.zeros(1, jnp.int32),
+      history=jnp.full((1, 4), -1, jnp.int32), prompt_lens=jnp.ones(1, jnp.int32),
+      banned=jnp.full((1, 2), -1, jnp.int32), num_logprobs=jnp.zeros(1, jnp.int32))
+  out = accept_tree(jnp.asarray(logits_by_node, jnp.float32), st, vt, tree, typical)
+  a = int(out.num_accepted[0])
+  return np.asarray(out.sample.tokens[0, :a + 1]).tolist(), int(out.stop_row[0])
+
+
+def test_the_walk_follows_the_targets_choice_through_any_child():
+  tree = Tree.of(TREE, num_heads=3)  # nodes: 1 (0) 2 (1) 3 (2) 4 (0,0) 5 (0,1) 6 (1,0) ...
+  v = 32
+  drafts = [3, 5, 7, 9, 11, 13, 2, 4, 6]  # node n's token: drafts[n - 1]
+  logits = np.zeros((tree.num_nodes + 1, v))
+  pick = lambda node, tok: logits.__setitem__((node, tok), 10.0)
+  pick(0, 5)  # the root's choice is node 2's token (a second child)
+  pick(2, 13)  # then node 6's (its only child)
+  pick(6, 6)  # then node 9's
+  pick(9, 1)  # and the target's own token after it
+  assert _walk(tree, logits, drafts) == ([5, 13, 6, 1], 9)
+  logits[6] = 0
+  pick(6, 31)  # no child holds the target's token: it ends the step
+  assert _walk(tree, logits, drafts) == ([5, 13, 31], 6)
+  logits[0] = 0
+  pick(0, 8)  # no candidate at all
+  assert _walk(tree, logits, drafts) == ([8], 0)
+
+
+def test_typical_acceptance_takes_a_likely_child_the_draw_did_not():
+  tree = Tree.of([[0], [1]], num_heads=1)
+  logits = np.zeros((3, 32))
+  logits[0, [2, 4]] = 3.0  # two likely tokens (p = 0.29 each), neither drawn by seed 0
+  exact = _walk(tree, logits, [2, 4], temperature=1.0)[0]
+  assert len(exact) == 1 and exact[0] not in (2, 4)
+  typ = _walk(tree, logits, [2, 4], temperature=1.0, typical=Typical(0.09, 0.3))[0]
+  assert len(typ) == 2 and typ[0] == 2  # the first child likely enough is taken
+
+
+# -- heads on disk ----------------------------------------------------------------------------
+def test_published_heads_load_as_ours(tiny_model, tmp_path):
+  config = tiny_model[0]
+  e, v, h, layers = config.hidden_size, config.vocab_size, 2, 1
+  rng = np.random.default_rng(0)
+  tensors = {}
+  for i in range(h):
+    tensors[f"{i}.0.linear.weight"] = rng.standard_normal((e, e)).astype(np.float32) * 0.1
+    tensors[f"{i}.0.linear.bias"] = rng.standard_normal(e).astype(np.float32) * 0.1
+    tensors[f"{i}.{layers}.weight"] = rng.standard_normal((v, e)).astype(np.float32)
+  pub = tmp_path / "published"
+  pub.mkdir()
+  save_file(tensors, str(pub / mh.PUBLISHED_FILE))
+  (pub / "config.json").write_text(json.dumps({"medusa_num_heads": h, "medusa_num_layers": 1}))
+  theirs, _ = mh.load_heads(str(pub), config)
+  mh.save_heads(str(tmp_path / "ours"), theirs, {"hidden_size": e, "vocab_size": v},
+                dtype=jnp.float32)
+  ours, _ = mh.load_heads(str(tmp_path / "ours"), config)
+  x = jnp.asarray(rng.standard_normal((3, e)), jnp.float32)
+  want = np.stack([(xi := np.asarray(x)) + 0 for _ in range(h)], 1)
+  for i in range(h):  # the published definition, by hand: x + SiLU(W x + b), then W_out x
+    y = xi + jax.nn.silu(xi @ tensors[f"{i}.0.linear.weight"].T + tensors[f"{i}.0.linear.bias"])
+    want[:, i] = np.asarray(y)
+  want = np.einsum("nhe,hve->nhv", want, np.stack([tensors[f"{i}.1.weight"] for i in range(h)]))
+  np.testing.assert_allclose(mh.head_logits(theirs, x), want, rtol=1e-4, atol=1e-3)
+  np.testing.assert_allclose(mh.head_logits(ours, x), want, rtol=1e-4, atol=1e-3)
+  assert mh.heads_meta(str(pub))["num_heads"] == h == mh.heads_meta(str(tmp_path / "ours"))["num_heads"]
+
+
+# -- the engine -------------------------------------------------------------------------------
+SMALL = dict(max_model_len=128, page_size=8, num_pages=24, max_num_seqs=8,
+             max_num_batched_tokens=32, max_prefill_seqs=2)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_model, tmp_path_factory) -> dict[str, str]:
+  """Heads checkpoints for the tiny model: identity heads (zero blocks: their guess is the
+  model's next token again, which this model, repeating its last token, mostly confirms) and
+  random ones (nearly always wrong)."""
+  config = tiny_model[0]
+  meta = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
+  out = {}
+  for name, scale in (("identity", 0.0), ("random", 1.0)):
+    p = mh.init_heads(3, config.hidden_size)
+    key = jax.random.key(1)
+    p = {"w": jax.random.normal(key, p["w"].shape) * scale,
+         "b": jax.random.normal(jax.random.fold_in(key, 1), p["b"].shape) * 3 * scale}
+    out[name] = str(tmp_path_factory.mktemp(name))
+    mh.save_heads(out[name], p, meta)
+  return out
+
+
+def _prompts(n: int, seed: int, lo: int = 5, hi: int = 60) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, 49000, rng.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+def _run(engine, prompts, params) -> list[list[int]]:
+  rids = [engine.add_request(None, p, params) for p in prompts]
+  final = engine.run_to_completion(rids)
+  return [final[r].outputs[0].token_ids for r in rids]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model):
+  return make_engine(tiny_model, warmup=False, **SMALL)
+
+
+def _medusa(tiny_model, path, **spec):
+  return make_engine(tiny_model, warmup=False, **SMALL, speculative_config={
+      "method": "medusa", "num_speculative_tokens": 3, "model": path, "medusa_choices": TREE,
+      **spec})
+
+
+@pytest.mark.parametrize("which", [pytest.param("identity", marks=pytest.mark.slow), "random"])
+def test_output_is_the_same_as_without_speculation(tiny_model, heads, baseline, which):
+  shared = _prompts(1, seed=9, lo=40, hi=41)[0]
+  prompts = _prompts(8, seed=1) + [shared + p[:5] for p in _prompts(3, seed=2)]  # prefix hits
+  eng = _medusa(tiny_model, heads[which])
+  want = _run(baseline, prompts, GREEDY)
+  assert _run(eng, prompts[:1], GREEDY) == want[:1]
+  before = eng.stats()
+  assert _run(eng, prompts, GREEDY) == want
+  after = eng.stats()
+  assert after.num_preemptions > before.num_preemptions, "the pool was meant to force preemption"
+  assert after.prefix_hit_rate > 0
+  spec = after.spec
+  assert spec.num_verified > 0
+  if which == "identity":
+    assert spec.mean_tokens_per_verify > 2.5
+  else:
+    assert spec.acceptance_rate < 0.1
+  sampled = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, ignore_eos=True, seed=3,
+                           logprobs=2, repetition_penalty=1.2)
+  # The walk draws with the sampler's own key: seeded sampling gives the very same tokens.
+  base_out = [o for o in _run(baseline, prompts[:4], sampled)]
+  assert _run(eng, prompts[:4], sampled) == base_out
+  assert not eng.scheduler.running and not eng.scheduler.waiting
+  b = eng.blocks
+  b.check_consistency()
+  assert b.num_free_pages == b.num_usable_pages and not any(b.ref[1:])
+
+
+def test_stops_and_logprobs_as_without_speculation(tiny_model, heads, baseline):
+  eng = _medusa(tiny_model, heads["identity"])
+  prompt = _prompts(1, seed=3)[0]
+  for case in [dict(max_tokens=7), dict(min_tokens=6, max_tokens=9), dict(logprobs=3)]:
+    params = SamplingParams(**{**dict(temperature=0.0, max_tokens=20, ignore_eos=True), **case})
+    want = baseline.run_to_completion([baseline.add_request(None, prompt, params)])
+    got = eng.run_to_completion([eng.add_request(None, prompt, params)])
+    (w,), (g,) = want.values(), got.values()
+    assert g.outputs[0].token_ids == w.outputs[0].token_ids, case
+    if params.logprobs:
+      for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+        assert a.keys() == b.keys()
+        np.testing.assert_allclose(list(a.values()), list(b.values()), atol=1e-4)
+
+
+@pytest.mark.slow  # ~90 s: compiles every bucket's plain and verify step
+def test_no_compiles_after_warmup(tiny_model, heads):
+  eng = make_engine(tiny_model, **SMALL, speculative_config={
+      "method": "medusa", "num_speculative_tokens": 3, "model": heads["identity"]})
+  counter = CompileCounter()
+  params = [SamplingParams(temperature=t, top_p=tp, max_tokens=m, seed=i, logprobs=lp,
+                           presence_penalty=pp, min_tokens=2)
+            for i, (t, tp, m, lp, pp) in enumerate(zip([0, 0.7, 1.0] * 2, [1, 0.9] * 3,
+                                                       [2, 7, 30] * 2, [None, 3] * 3,
+                                                       [0, 0.5, 0] * 2))]
+  rids = [eng.add_request(None, p, sp) for p, sp in zip(_prompts(6, seed=4, lo=1), params)]
+  eng.abort(rids[4])
+  eng.run_to_completion()
+  assert counter.count == 0, f"{counter.count} compiles after warmup"
+  assert eng.stats().spec.num_verified > 0
+
+
+@pytest.mark.parametrize("config, says", [
+    (dict(model="nowhere"), "Medusa heads checkpoint"),
+    (dict(medusa_choices=[[0, 0]]), "lacks its parent"),
+    (dict(num_speculative_tokens=5), "has 3 heads"),
+    (dict(acceptance_method="lucky"), "acceptance_method"),
+    (dict(posterior_threshold=0.0), "posterior_threshold")])
+def test_a_bad_medusa_config_is_refused_when_made(heads, config, says):
+  with pytest.raises(ValueError, match=says):
+    SpeculativeConfig.parse({"method": "medusa", "num_speculative_tokens": 3,
+                             "model": heads["identity"], **config})
+
+
+def test_heads_for_another_model_are_refused(tiny_model, tmp_path):
+  p = mh.init_heads(2, tiny_model[0].hidden_size + 8)
+  mh.save_heads(str(tmp_path), p, {})
+  with pytest.raises(ValueError, match="hidden size"):
+    _medusa(tiny_model, str(tmp_path), num_speculative_tokens=2, medusa_choices=[[0]])
