@@ -1,7 +1,8 @@
 """Speculative sampling is lossless, end to end: through the engine, with a random draft model
 that often disagrees with the target, the first k+1 tokens of thousands of seeded requests are
 distributed as without speculation (chi-squared per position, at temperature 1 and with top-k
-and top-p), and a deliberately wrong acceptance rule fails the same test."""
+and top-p), and a deliberately wrong acceptance rule fails the same test. Likewise for Medusa
+trees, whose typical acceptance (not lossless) fails it."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ from jinfer.config import ModelConfig
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.sampling_params import SamplingParams
+from jinfer.spec import medusa_heads as medusa_heads_mod
 from jinfer.weights.safetensors_dir import load_safetensors_dir
 
 V, K, N = 64, 3, 2000  # vocabulary, drafts per step, samples per distribution
@@ -47,7 +49,7 @@ def models(tmp_path_factory):
   return (config, load_safetensors_dir(target, config)), draft
 
 
-def sample(models, params: SamplingParams, speculate: bool) -> np.ndarray:
+def sample(models, params: SamplingParams, speculate: bool, first_seed: int = 0) -> np.ndarray:
   """[N, K+2] tokens: N requests with seeds 0..N-1, all in flight at once. The first token comes
   from the prefill, the next k+1 from one verify step when every draft is accepted."""
   (config, weights), draft = models
@@ -56,7 +58,8 @@ def sample(models, params: SamplingParams, speculate: bool) -> np.ndarray:
       max_model_len=16, page_size=4, num_pages=4 * N + 1, max_num_seqs=N,
       max_num_batched_tokens=8192, max_prefill_seqs=N, enable_prefix_caching=False,
       speculative_config=spec if speculate else None))
-  rids = [eng.add_request(None, PROMPT, dataclasses.replace(params, seed=i)) for i in range(N)]
+  rids = [eng.add_request(None, PROMPT, dataclasses.replace(params, seed=first_seed + i))
+          for i in range(N)]
   final = eng.run_to_completion(rids)
   if speculate:
     s = eng.stats().spec
@@ -95,3 +98,59 @@ def test_a_wrong_acceptance_rule_fails_it(models, monkeypatch):
   monkeypatch.setattr(accept_mod, "_residual", lambda p, q: p)
   params = CASES["temperature 1"]
   assert min_pvalue(sample(models, params, True), sample(models, params, False)) < 1e-6
+
+
+# -- Medusa: a candidate tree verified by the tree walk ---------------------------------------
+@pytest.fixture(scope="module")
+def medusa_heads(models, tmp_path_factory) -> str:
+  """Three identity heads over the target's own LM head: each guesses the *next* token's likely
+  values one step early. On this random model that is right for a few percent of the trees'
+  candidates (hundreds of accepted tokens over the run), so both outcomes of the walk occur."""
+  (config, weights), _ = models
+  e = config.hidden_size
+  head = np.asarray(weights["lm_head"]["kernel"], np.float32).T  # [V, E]
+  params = {"w": np.zeros((3, 1, e, e), np.float32), "b": np.zeros((3, 1, e), np.float32),
+            "lm_head": np.stack([head] * 3)}
+  path = str(tmp_path_factory.mktemp("medusa"))
+  medusa_heads_mod.save_heads(path, params, {"hidden_size": e, "vocab_size": V},
+                              dtype=np.float32)
+  return path
+
+
+def medusa_sample(models, heads: str, params: SamplingParams, first_seed: int = 0,
+                  **spec) -> np.ndarray:
+  """As `sample`, verifying Medusa trees (seeds first_seed..first_seed+N-1)."""
+  (config, weights), _ = models
+  eng = LLMEngine.from_parts(config, weights, None, warmup=False, config=EngineConfig(
+      max_model_len=16, page_size=4, num_pages=4 * N + 1, max_num_seqs=N,
+      max_num_batched_tokens=8192, max_prefill_seqs=N, enable_prefix_caching=False,
+      speculative_config={"method": "medusa", "num_speculative_tokens": 3, "model": heads,
+                          "medusa_choices": MEDUSA_TREE, **spec}))
+  rids = [eng.add_request(None, PROMPT, dataclasses.replace(params, seed=first_seed + i))
+          for i in range(N)]
+  final = eng.run_to_completion(rids)
+  s = eng.stats().spec
+  assert s.num_verified > N // 2 and s.num_accepted_tokens > 200, s
+  return np.array([final[r].outputs[0].token_ids for r in rids])
+
+
+MEDUSA_TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0], [1, 0, 0]]
+
+
+@pytest.mark.parametrize("case", ["temperature 1", "top-k 8"])
+def test_a_medusa_tree_keeps_the_distribution(models, medusa_heads, case):
+  params = CASES[case]
+  tree = medusa_sample(models, medusa_heads, params)
+  # The walk draws with the sampler's own keys: the same seeds give the very same tokens ...
+  assert np.array_equal(tree, sample(models, params, False))
+  # ... and they are distributed as the target's samples of other seeds.
+  assert min_pvalue(tree, sample(models, params, False, first_seed=N)) > 1e-3
+
+
+def test_typical_acceptance_fails_it(models, medusa_heads):
+  """Medusa's typical acceptance at a low threshold accepts unlikely candidates: not lossless."""
+  params = CASES["temperature 1"]
+  typical = medusa_sample(models, medusa_heads, params,
+                          acceptance_method="typical_acceptance_sampler",
+                          posterior_threshold=0.01, posterior_alpha=0.01)
+  assert min_pvalue(typical, sample(models, params, False)) < 1e-6
