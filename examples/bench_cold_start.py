@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
   here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   sys.path.insert(0, here)
   from jinfer.bench.machine import machine_info
+  from jinfer.bench.report import emit
   report: dict = {"machine": machine_info(), "cases": {}}
   with tempfile.TemporaryDirectory() as tmp:
     if args.baseline_rev:
@@ -95,11 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["speedup_warm"] = cases["baseline"]["wall_s"] / cases["warm"]["wall_s"]
   assert cases["warm"]["compiles"] == 0, f"the warm run compiled {cases['warm']['compiles']} times"
   assert report["same_tokens"], "the cases produced different tokens"
-  text = json.dumps(report, indent=2)
-  print(text)
-  if args.out:
-    with open(args.out, "w") as fh:
-      fh.write(text + "\n")
+  emit(report, args.out)
   return report
 
 

@@ -37,6 +37,7 @@ from jinfer.config import ModelConfig
 from jinfer.engine.expert_load import ExpertLoad
 from jinfer.models import CausalLM, param_shapes, unstack_layers
 from jinfer.models.kernel_options import KernelOptions
+from jinfer.bench.report import emit
 from pallas_kernels import AttentionMetadata, KVCacheSpec
 from pallas_kernels.grouped_matmul import default_backend, grouped_matmul
 
@@ -177,11 +178,7 @@ def main():
   report["grouped_matmul"] = bench_grouped_matmul(batch_sizes, args.reps)
   report["decode_step"] = bench_steps(batch_sizes, args.context, args.reps)
   report["machine"]["load_avg_1m_at_end"] = _load()
-  text = json.dumps(report, indent=1)
-  print(text)
-  if args.out:
-    with open(args.out, "w") as fh:
-      fh.write(text)
+  emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import time
 
@@ -40,6 +39,7 @@ import numpy as np
 from jinfer.bench import llama_cpp_peer
 from jinfer.bench.machine import machine_info
 from jinfer.bench.offline import RandomWorkload, run_offline
+from jinfer.bench.report import emit
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.sampling_params import SamplingParams
@@ -243,11 +243,7 @@ def main():
                                                / report["compute_ceiling"]["output_tokens_per_s"])
   ratios["single_stream_over_roofline"] = report["jinfer_single_stream"]["fraction_of_roofline"]
   report["ratios_output_tokens_per_s"] = ratios
-  text = json.dumps(report, indent=2)
-  print(text)
-  if args.out:
-    with open(args.out, "w") as fh:
-      fh.write(text + "\n")
+  emit(report, args.out)
 
 
 if __name__ == "__main__":

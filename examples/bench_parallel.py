@@ -41,6 +41,7 @@ def main(argv=None):
   import numpy as np
 
   from jinfer.bench.machine import machine_info
+  from jinfer.bench.report import emit
   from jinfer.config import ModelConfig
   from jinfer.engine.engine import LLMEngine
   from jinfer.engine.engine_config import EngineConfig, default_dtype
@@ -119,11 +120,7 @@ def main(argv=None):
     report["layouts"][layout] = entry
     print(layout, json.dumps(entry), file=sys.stderr, flush=True)
     del engine, runner
-  text = json.dumps(report, indent=2)
-  print(text)
-  if args.out:
-    with open(args.out, "w") as fh:
-      fh.write(text + "\n")
+  emit(report, args.out)
 
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")

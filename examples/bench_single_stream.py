@@ -16,7 +16,6 @@ importable, llama.cpp decodes the same GGUF single stream in the same run (see
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -27,6 +26,7 @@ import numpy as np
 import jinfer
 from jinfer.bench import llama_cpp_peer
 from jinfer.bench.machine import machine_info
+from jinfer.bench.report import emit
 from jinfer.bench.offline import RandomWorkload
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
@@ -111,11 +111,7 @@ def main():
     report["llama_cpp"]["load_avg_1m"] = _load()
   else:
     report["llama_cpp"] = None  # not installed (or not a GGUF model)
-  text = json.dumps(report, indent=2)
-  print(text)
-  if args.out:
-    with open(args.out, "w") as fh:
-      fh.write(text + "\n")
+  emit(report, args.out)
 
 
 if __name__ == "__main__":

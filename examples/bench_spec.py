@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from chat_prompts import eval_prompts  # noqa: E402
 
 from jinfer.bench.machine import machine_info  # noqa: E402
+from jinfer.bench.report import emit  # noqa: E402
 from jinfer.bench.offline import RandomWorkload  # noqa: E402
 from jinfer.engine.engine import LLMEngine  # noqa: E402
 from jinfer.engine.engine_config import EngineConfig  # noqa: E402
@@ -143,11 +144,7 @@ def main():
           [r["spec"]["acceptance_per_position"] for r in rs], axis=0).tolist()
     summary.append(s)
   report["summary"] = summary
-  text = json.dumps(report, indent=2)
-  print(text)
-  if args.out:
-    with open(args.out, "w") as fh:
-      fh.write(text + "\n")
+  emit(report, args.out)
 
 
 if __name__ == "__main__":

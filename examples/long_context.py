@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import re
@@ -284,6 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
   import numpy as np
 
   from jinfer.bench.machine import machine_info
+  from jinfer.bench.report import emit
   from jinfer.tokenizer import Tokenizer
   from jinfer.weights.builtin import builtin_gguf_path, is_builtin
   from jinfer.weights.loader import DEFAULT_MODEL
@@ -325,11 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
   if hasattr(os, "getloadavg"):
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
 
-  text = json.dumps(result, indent=2)
-  print(text)
-  if args.out:
-    with open(args.out, "w") as fh:
-      fh.write(text + "\n")
+  emit(result, args.out)
   if args.plot:
     plot(result, args.plot)
   return result

@@ -6,7 +6,6 @@ preemption and prefix hits, no page leaks, no compiles after warmup, precise err
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,6 @@ import pytest
 from safetensors.numpy import save_file
 
 from jinfer.accept import Typical, VerifyTensors, accept_tree
-from jinfer.engine.engine_config import EngineConfig
 from jinfer.models import CausalLM
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.sample import SamplingTensors

@@ -59,18 +59,25 @@ def _run(engine, prompts, params) -> list[list[int]]:
   return [final[r].outputs[0].token_ids for r in rids]
 
 
-@pytest.mark.slow
-def test_greedy_output_same_alone_and_in_a_batch_and_load_counts_live_rows(engine, monkeypatch):
-  prompts = _prompts(10, seed=0)
-  alone = [_run(engine, [p], GREEDY)[0] for p in prompts]
-  live_rows = []
+@pytest.fixture
+def live_rows(engine, monkeypatch) -> list[int]:
+  """The live (not padding) rows of every step the engine runs from now on."""
+  rows = []
   run = engine.runner.run
 
   def counting_run(inp, drafts=None):
-    live_rows.append(int(np.asarray(inp.md.cu_q_lens)[int(np.asarray(inp.md.num_seqs)[0])]))
+    rows.append(int(np.asarray(inp.md.cu_q_lens)[int(np.asarray(inp.md.num_seqs)[0])]))
     return run(inp, drafts)
 
   monkeypatch.setattr(engine.runner, "run", counting_run)
+  return rows
+
+
+@pytest.mark.slow
+def test_greedy_output_same_alone_and_in_a_batch_and_load_counts_live_rows(engine, live_rows):
+  prompts = _prompts(10, seed=0)
+  alone = [_run(engine, [p], GREEDY)[0] for p in prompts]
+  live_rows.clear()  # count the batch's steps only
   before = engine.stats()
   together = _run(engine, prompts, GREEDY)
   after = engine.stats()
@@ -101,17 +108,9 @@ def test_no_compiles_after_warmup(engine):
 
 
 @pytest.mark.slow
-def test_offline_benchmark_reports_the_runs_expert_load(engine, monkeypatch):
+def test_offline_benchmark_reports_the_runs_expert_load(engine, live_rows):
   """The benchmark JSON's expert load is this run's: k assignments per live row per MoE layer,
   none for padding, whatever the engine ran before."""
-  live_rows = []
-  run = engine.runner.run
-
-  def counting_run(inp, drafts=None):
-    live_rows.append(int(np.asarray(inp.md.cu_q_lens)[int(np.asarray(inp.md.num_seqs)[0])]))
-    return run(inp, drafts)
-
-  monkeypatch.setattr(engine.runner, "run", counting_run)
   report = run_offline(engine, RandomWorkload(num_prompts=5, input_len_min=3, input_len_max=40,
                                               output_len=6, seed=3))
   load = report["expert_load"]
