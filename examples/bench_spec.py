@@ -1,5 +1,6 @@
 """Speculative decoding on SmolLM2-135M-Instruct: output tokens/s with speculation off, with n-gram
-prompt lookup and with the distilled draft, at batch 1, 8 and 64, on two workloads:
+prompt lookup, with the distilled draft and with Medusa heads (a chain of each head's best
+guess, and the default candidate tree), at batch 1, 8 and 64, on two workloads:
 
   chat    held-out chat prompts (`chat_prompts.eval_prompts`, subjects the draft never saw),
           through the chat template, greedy, up to --max-tokens each (natural text: answers
@@ -8,12 +9,15 @@ prompt lookup and with the distilled draft, at batch 1, 8 and 64, on two workloa
           a random offset, 32-512 tokens), greedy, exactly --max-tokens each (EOS ignored).
 
 Batch b submits b requests at once and runs them to completion (batch 1: --single-requests
-requests one after another). The three engines share the target's weights and are all warmed
-up first; every repetition runs every (batch, workload) on each engine back to back, so a load
-change on a shared machine hits all three alike, and medians over --repeats are reported.
-Acceptance and mean tokens per step are set against E = (1 - alpha^(k+1)) / (1 - alpha).
+requests one after another). The engines share the target's weights and are all warmed up
+first; every repetition runs every (batch, workload) on each engine back to back, so a load
+change on a shared machine hits all alike, and medians over --repeats are reported. Acceptance
+and mean tokens per step are set against E = (1 - alpha^(k+1)) / (1 - alpha); for Medusa the
+acceptance per position is each head's (how often its depth was accepted once reached).
 
     python examples/bench_spec.py --out bench_spec.json
+    python examples/bench_spec.py --methods off medusa_chain medusa_tree --batches 1 8 \
+        --workloads chat --out bench_medusa.json
 """
 from __future__ import annotations
 
@@ -36,10 +40,13 @@ from jinfer.bench.offline import RandomWorkload  # noqa: E402
 from jinfer.engine.engine import LLMEngine  # noqa: E402
 from jinfer.engine.engine_config import EngineConfig  # noqa: E402
 from jinfer.sampling_params import SamplingParams  # noqa: E402
+from jinfer.spec.tree import chain_choices  # noqa: E402
 from jinfer.weights.loader import DEFAULT_MODEL, load_model  # noqa: E402
 
-DRAFT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints",
-                     "smollm2-135m-draft")
+CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "checkpoints")
+DRAFT = os.path.join(CHECKPOINTS, "smollm2-135m-draft")
+MEDUSA = os.path.join(CHECKPOINTS, "smollm2-135m-medusa")
 
 
 def workload(name: str, batch: int, engine: LLMEngine, max_tokens: int, seed: int):
@@ -76,12 +83,17 @@ def main():
   ap.add_argument("--model", default=DEFAULT_MODEL)
   ap.add_argument("--draft", default=DRAFT)
   ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+  ap.add_argument("--medusa", default=MEDUSA, help="Medusa heads checkpoint")
+  ap.add_argument("--medusa-heads", type=int, default=4, help="heads used (the tree's depth)")
+  ap.add_argument("--medusa-choices", default=None,
+                  help="the tree as JSON paths (default: the best tree for the heads)")
   ap.add_argument("--ngram", default="2,4", help="prompt_lookup_min,max")
   ap.add_argument("--disable-by-batch-size", type=int, default=None,
                   help="speculate only in steps of at most this many sequences")
   ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
   ap.add_argument("--workloads", nargs="+", default=["chat", "random"])
-  ap.add_argument("--methods", nargs="+", default=["off", "ngram", "draft"])
+  ap.add_argument("--methods", nargs="+", default=["off", "ngram", "draft"],
+                  help="off ngram draft medusa_chain medusa_tree")
   ap.add_argument("--max-tokens", type=int, default=128)
   ap.add_argument("--single-requests", type=int, default=3)
   ap.add_argument("--repeats", type=int, default=3)
@@ -94,7 +106,14 @@ def main():
            "ngram": {"method": "ngram", "num_speculative_tokens": args.k,
                      "prompt_lookup_min": lo, "prompt_lookup_max": hi},
            "draft": {"method": "draft_model", "num_speculative_tokens": args.k,
-                     "model": args.draft}}
+                     "model": args.draft},
+           "medusa_chain": {"method": "medusa", "num_speculative_tokens": args.medusa_heads,
+                            "model": args.medusa,
+                            "medusa_choices": chain_choices(args.medusa_heads)},
+           "medusa_tree": {"method": "medusa", "num_speculative_tokens": args.medusa_heads,
+                           "model": args.medusa}}
+  if args.medusa_choices:
+    specs["medusa_tree"]["medusa_choices"] = json.loads(args.medusa_choices)
   for spec in specs.values():
     if spec is not None and args.disable_by_batch_size is not None:
       spec["disable_by_batch_size"] = args.disable_by_batch_size
@@ -110,7 +129,8 @@ def main():
   report = {"machine": machine_info(), "model": args.model,
             "engine": {k: getattr(base, k) for k in ("max_model_len", "max_num_seqs",
                                                      "max_num_batched_tokens", "num_pages")},
-            "speculative_configs": {m: specs[m] for m in args.methods},
+            "speculative_configs": {m: engines[m].config.speculative_config.to_dict()
+                                    if specs[m] else None for m in args.methods},
             "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": []}
   results: dict[tuple, list[dict]] = {}
   for rep in range(args.repeats):

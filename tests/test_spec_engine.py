@@ -174,7 +174,10 @@ def test_ngram_lookup():
 
 
 @pytest.mark.parametrize("config, says", [
-    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "needs model, a Medusa heads checkpoint"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "medusa_choices": [[0]]},
+     "medusa_choices is for method 'medusa'"),
     ({"num_speculative_tokens": 2}, "needs 'method'"),
     ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be .* \[1, 16\]"),

@@ -39,9 +39,9 @@ class EngineConfig:
   # weights in place). None: by step size, see `unrolled_max_tokens`.
   scan_layers: bool | None = None
   # With scan_layers=None on the CPU: steps of at most this many tokens run unrolled, larger
-  # ones scanned. 1: a single stream's decode steps, each unrolled bucket costing a compile of
-  # every layer (~10x a scanned one).
-  max_unrolled_tokens: int = 1
+  # ones scanned, each unrolled bucket costing a compile of every layer (~10x a scanned one).
+  # None: a single stream's steps, its verify step included when it speculates.
+  max_unrolled_tokens: int | None = None
   # Requests may ask for prompt_logprobs: compiles a second step variant per bucket that
   # projects every row to logits, used only by steps that carry such a request.
   enable_prompt_logprobs: bool = False
@@ -118,7 +118,11 @@ class EngineConfig:
     """
     if self.scan_layers is not None:
       return 0 if self.scan_layers else self.max_num_batched_tokens
-    return self.max_unrolled_tokens if jax.default_backend() == "cpu" else 0
+    if jax.default_backend() != "cpu":
+      return 0
+    if self.max_unrolled_tokens is not None:
+      return self.max_unrolled_tokens
+    return self.buckets().pick(1 + self.num_draft_rows)
 
   def scheduler_config(self) -> SchedulerConfig:
     return SchedulerConfig(max_num_seqs=self.max_num_seqs,

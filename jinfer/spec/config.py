@@ -7,11 +7,18 @@ import numbers
 import os
 from typing import Any
 
+import jax
+
 from jinfer.spec.medusa_heads import META, PUBLISHED_FILE, heads_meta, is_medusa_checkpoint
 from jinfer.spec.tree import Tree, default_choices
 from jinfer.weights.builtin import is_builtin
 
-DEFAULT_TREE_NODES = 10
+
+def default_tree_nodes() -> int:
+  """Nodes of the default tree: with its root, one sequence's verify rows fill a power of two.
+  On the CPU a step's cost grows with its rows (8 rows cost ~1.8x one row for SmolLM2), so the
+  tree is small; on accelerators a single stream's step is memory-bound and rows come cheap."""
+  return 7 if jax.default_backend() == "cpu" else 31
 
 METHODS = ("ngram", "draft_model", "medusa")
 MAX_SPECULATIVE_TOKENS = 16
@@ -34,8 +41,8 @@ class SpeculativeConfig:
   # sequence, a memory-bound accelerator); on a compute-bound one a large batch loses.
   disable_by_batch_size: int | None = None
   # medusa: the candidate tree, as paths of per-head candidate indices (Medusa's
-  # `medusa_choices`); None: the best tree of `DEFAULT_TREE_NODES` nodes for the heads' measured
-  # accuracy (see `jinfer/spec/tree.py`).
+  # `medusa_choices`); None: the best tree of `default_tree_nodes()` nodes for the heads'
+  # measured accuracy (see `jinfer/spec/tree.py`).
   medusa_choices: list | None = None
   # medusa: "rejection_sampler" keeps the target's distribution exactly; Medusa's
   # "typical_acceptance_sampler" accepts any candidate more likely than
@@ -145,7 +152,7 @@ class SpeculativeConfig:
                          f"{self.num_speculative_tokens}; {self.model} has {meta['num_heads']} "
                          f"heads")
       choices = default_choices(self.num_speculative_tokens, meta.get("rank_hits"),
-                                DEFAULT_TREE_NODES)
+                                default_tree_nodes())
     if not isinstance(choices, (list, tuple)):
       raise ValueError(f"speculative_config: medusa_choices must be a list of paths, got "
                        f"{type(choices).__name__}")
