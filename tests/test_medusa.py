@@ -14,6 +14,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from jinfer.accept import Typical, VerifyTensors, accept_tree
+from jinfer.engine.engine_config import EngineConfig
 from jinfer.models import CausalLM
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.sample import SamplingTensors
@@ -251,10 +252,10 @@ def baseline(tiny_model):
   return make_engine(tiny_model, warmup=False, **SMALL)
 
 
-def _medusa(tiny_model, path, **spec):
-  return make_engine(tiny_model, warmup=False, **SMALL, speculative_config={
-      "method": "medusa", "num_speculative_tokens": 3, "model": path, "medusa_choices": TREE,
-      **spec})
+def _medusa(tiny_model, path, tensor_parallel_size=1, **spec):
+  return make_engine(tiny_model, warmup=False, **SMALL, tensor_parallel_size=tensor_parallel_size,
+                     speculative_config={"method": "medusa", "num_speculative_tokens": 3,
+                                         "model": path, "medusa_choices": TREE, **spec})
 
 
 @pytest.mark.parametrize("which", [pytest.param("identity", marks=pytest.mark.slow), "random"])
@@ -330,8 +331,24 @@ def test_a_bad_medusa_config_is_refused_when_made(heads, config, says):
                              "model": heads["identity"], **config})
 
 
+def test_medusa_with_context_parallelism_is_refused(heads):
+  with pytest.raises(ValueError, match="context parallelism"):
+    EngineConfig(context_parallel_size=2, speculative_config={
+        "method": "medusa", "num_speculative_tokens": 3, "model": heads["identity"]})
+
+
 def test_heads_for_another_model_are_refused(tiny_model, tmp_path):
   p = mh.init_heads(2, tiny_model[0].hidden_size + 8)
   mh.save_heads(str(tmp_path), p, {})
   with pytest.raises(ValueError, match="hidden size"):
     _medusa(tiny_model, str(tmp_path), num_speculative_tokens=2, medusa_choices=[[0]])
+
+
+@pytest.mark.slow
+def test_tensor_parallel_medusa_gives_the_same_tokens(tiny_model, heads, baseline):
+  """Heads run on the gathered hidden state of a tensor-parallel step (2 host devices)."""
+  prompts = _prompts(4, seed=6)
+  eng = _medusa(tiny_model, heads["identity"], medusa_choices=[[0], [1], [0, 0], [0, 0, 0]],
+                tensor_parallel_size=2)
+  assert _run(eng, prompts, GREEDY) == _run(baseline, prompts, GREEDY)
+  assert eng.stats().spec.mean_tokens_per_verify > 2.5
