@@ -260,6 +260,7 @@ def test_static_batching_waits_for_the_whole_batch(loaded):
   assert all(rids[1] not in b for b in batches[first_with_4th:])
 
 
+@pytest.mark.slow
 def test_a_failed_step_fails_its_requests_and_the_engine_recovers(loaded):
   """A step that raises after XLA consumed the donated cache: the requests it ran fail, the
   cache is rebuilt, what was cached is forgotten, and the rest run as if nothing happened."""
@@ -269,7 +270,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_recovers(loaded):
   want = _run(eng, prompts, GREEDY)  # also leaves their pages in the prefix cache
   real_step = eng.runner._step
 
-  def failing_step(params, cache, inp, drafts):
+  def failing_step(params, cache, inp, drafts, heads):
     cache.delete()  # what a call that consumed its donated input leaves behind
     raise RuntimeError("injected device failure")
 

@@ -149,7 +149,8 @@ def _walk(tree, logits_by_node, drafts, temperature=0.0, typical=None):
       seeds=jnp.zeros(1, jnp.uint32), gen_idx=jnp.zeros(1, jnp.int32),
       history=jnp.full((1, 4), -1, jnp.int32), prompt_lens=jnp.ones(1, jnp.int32),
       banned=jnp.full((1, 2), -1, jnp.int32), num_logprobs=jnp.zeros(1, jnp.int32))
-  out = accept_tree(jnp.asarray(logits_by_node, jnp.float32), st, vt, tree, typical)
+  out = jax.jit(accept_tree, static_argnums=(3, 4))(jnp.asarray(logits_by_node, jnp.float32),
+                                                     st, vt, tree, typical)
   a = int(out.num_accepted[0])
   return np.asarray(out.sample.tokens[0, :a + 1]).tolist(), int(out.stop_row[0])
 
@@ -258,7 +259,8 @@ def _medusa(tiny_model, path, tensor_parallel_size=1, **spec):
                                          "model": path, "medusa_choices": TREE, **spec})
 
 
-@pytest.mark.parametrize("which", [pytest.param("identity", marks=pytest.mark.slow), "random"])
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["identity", "random"])
 def test_output_is_the_same_as_without_speculation(tiny_model, heads, baseline, which):
   shared = _prompts(1, seed=9, lo=40, hi=41)[0]
   prompts = _prompts(8, seed=1) + [shared + p[:5] for p in _prompts(3, seed=2)]  # prefix hits

@@ -68,7 +68,10 @@ def engines(tiny_model, drafts) -> dict:
                          speculative_config=spec_config(m, drafts)) for m in METHODS}
 
 
-@pytest.mark.parametrize("method", METHODS)
+# The draft-model cases and the heavier tests below are slow-tier: n-gram keeps the verify step in
+# the quick loop.
+@pytest.mark.parametrize("method", ["ngram"] + [pytest.param(m, marks=pytest.mark.slow)
+                                                for m in METHODS if m != "ngram"])
 def test_greedy_output_is_the_same_as_without_speculation(engines, baseline, method):
   shared = _prompts(1, seed=9, lo=40, hi=41)[0]
   prompts = _prompts(8, seed=1) + [shared + p[:5] for p in _prompts(3, seed=2)]  # prefix hits
@@ -118,6 +121,7 @@ def test_stops_and_logprobs_as_without_speculation(spec_engine, baseline):
   assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_independent_of_the_batch(spec_engine):
   params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
   prompt = _prompts(1, seed=4)[0]
@@ -131,6 +135,7 @@ def test_seeded_sampling_independent_of_the_batch(spec_engine):
   assert spec_engine.stats().spec.num_draft_tokens > 0
 
 
+@pytest.mark.slow
 def test_random_aborts_during_speculation_leak_no_pages(spec_engine):
   rng = np.random.default_rng(6)
   live = []
@@ -147,7 +152,7 @@ def test_random_aborts_during_speculation_leak_no_pages(spec_engine):
   _no_leaks(spec_engine)
 
 
-@pytest.mark.parametrize("method", ["ngram", "other"])
+@pytest.mark.parametrize("method", ["ngram", pytest.param("other", marks=pytest.mark.slow)])
 def test_no_compiles_after_warmup(engines, method):
   eng = engines[method]
   eng._warmup()  # what was not compiled yet: every bucket's plain and verify variants
