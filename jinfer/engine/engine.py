@@ -119,7 +119,9 @@ class LLMEngine:
         raise ValueError("speculative decoding does not run on several processes yet")
       if spec.method != "medusa":  # Medusa's heads run in the target's step: made below
         self.proposer = self._make_proposer(spec, model_config, params, tokenizer, dtype)
-      self.spec_stats = SpecStats(spec.num_speculative_tokens)
+      # Positions are depths: a tree's are fewer than its heads where it is shallow.
+      self.spec_stats = SpecStats(spec.tree().max_depth if spec.tree() else
+                                  spec.num_speculative_tokens)
     self.scheduler = Scheduler(config.scheduler_config(), self.blocks,
                                lookahead=self._lookahead if spec is not None else None)
     if jax.process_count() > 1 and (par.data_parallel_size > 1 or
