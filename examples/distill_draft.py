@@ -40,6 +40,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from chat_prompts import eval_prompts, train_prompts  # noqa: E402
+from teacher_answers import generate_answers, load_seqs, save_seqs  # noqa: E402
 
 from jinfer.weights.builtin import cache_dir  # noqa: E402
 
@@ -53,39 +54,11 @@ def _path(args, name: str) -> str:
   return os.path.join(args.work_dir, name)
 
 
-def save_seqs(path: str, seqs: list[np.ndarray], starts: list[int]):
-  offsets = np.cumsum([0] + [len(s) for s in seqs])
-  np.savez(path, tokens=np.concatenate(seqs).astype(np.int32), offsets=offsets,
-           prompt_lens=np.asarray(starts, np.int32))
-
-
-def load_seqs(path: str) -> tuple[list[np.ndarray], list[int]]:
-  """(token sequences, where each one's trained part starts)."""
-  d = np.load(path)
-  return np.split(d["tokens"], d["offsets"][1:-1]), d["prompt_lens"].tolist()
-
-
 def cmd_generate(args):
   """Greedy teacher answers, saved every chunk so an interrupted run resumes."""
-  from jinfer import LLM, SamplingParams
-  path = _path(args, f"{args.split}.npz")
   prompts = (train_prompts() if args.split == "train" else eval_prompts())[:args.num_prompts]
-  seqs, starts = load_seqs(path) if os.path.exists(path) else ([], [])
-  llm = LLM(TEACHER, max_model_len=args.max_tokens + 128, max_num_seqs=64)
-  params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-  t0 = time.monotonic()
-  for start in range(len(seqs), len(prompts), args.chunk):
-    chunk = prompts[start:start + args.chunk]
-    ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                             add_generation_prompt=True, tokenize=True)
-           for p in chunk]
-    outs = llm.generate(ids, params, use_tqdm=False)
-    for p, o in zip(ids, outs):
-      seqs.append(np.asarray(p + o.outputs[0].token_ids, np.int32))
-      starts.append(len(p))
-    save_seqs(path, seqs, starts)
-    log.info("%d/%d prompts, %d answer tokens, %.0f s", len(seqs), len(prompts),
-             sum(map(len, seqs)) - sum(starts), time.monotonic() - t0)
+  generate_answers(TEACHER, prompts, _path(args, f"{args.split}.npz"), args.max_tokens,
+                   args.chunk)
 
 
 def cmd_corpus(args):

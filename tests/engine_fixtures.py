@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
 import torch
 import transformers
 
@@ -58,3 +59,16 @@ class CompileCounter:
 
 def make_engine(loaded, warmup: bool = True, **options) -> LLMEngine:
   return LLMEngine.from_parts(*loaded, config=EngineConfig(**options), warmup=warmup)
+
+
+def random_prompts(n: int, seed: int = 0, lo: int = 5, hi: int = 60) -> list[list[int]]:
+  """n prompts of lo..hi-1 random ids from SmolLM2's vocabulary (past its special tokens)."""
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, 49000, rng.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+def run_tokens(engine, prompts, params) -> list[list[int]]:
+  """Run the prompts together to completion; each one's output tokens."""
+  rids = [engine.add_request(None, p, params) for p in prompts]
+  final = engine.run_to_completion(rids)
+  return [final[r].outputs[0].token_ids for r in rids]

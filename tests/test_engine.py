@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
 
 from jinfer.sampling_params import SamplingParams
-from tests.engine_fixtures import CompileCounter, make_engine, tiny_loaded
+from tests.engine_fixtures import (CompileCounter, make_engine, random_prompts, run_tokens,
+                                   tiny_loaded)
 from tests.paged_batch import PagedBatch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -25,15 +27,8 @@ def engine(loaded):
                      max_num_batched_tokens=64, max_prefill_seqs=2)
 
 
-def _prompts(n: int, seed: int = 0, lo: int = 5, hi: int = 120) -> list[list[int]]:
-  rng = np.random.default_rng(seed)
-  return [rng.integers(3, 49000, rng.integers(lo, hi)).tolist() for _ in range(n)]
-
-
-def _run(engine, prompts, params) -> dict[str, list[int]]:
-  rids = [engine.add_request(None, p, params) for p in prompts]
-  final = engine.run_to_completion(rids)
-  return [final[r].outputs[0].token_ids for r in rids]
+_prompts = functools.partial(random_prompts, hi=120)
+_run = run_tokens
 
 
 def test_greedy_output_same_alone_and_in_a_batch(engine):

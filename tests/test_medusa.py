@@ -24,7 +24,7 @@ from jinfer.spec.config import SpeculativeConfig
 from jinfer.spec.medusa import keep_path
 from jinfer.spec.tree import Tree, best_choices, chain_choices, default_choices
 from pallas_kernels import AttentionMetadata, KVCacheSpec
-from tests.engine_fixtures import CompileCounter, make_engine
+from tests.engine_fixtures import CompileCounter, make_engine, random_prompts, run_tokens
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]]
 
@@ -237,15 +237,7 @@ def heads(tiny_model, tmp_path_factory) -> dict[str, str]:
   return out
 
 
-def _prompts(n: int, seed: int, lo: int = 5, hi: int = 60) -> list[list[int]]:
-  rng = np.random.default_rng(seed)
-  return [rng.integers(3, 49000, rng.integers(lo, hi)).tolist() for _ in range(n)]
-
-
-def _run(engine, prompts, params) -> list[list[int]]:
-  rids = [engine.add_request(None, p, params) for p in prompts]
-  final = engine.run_to_completion(rids)
-  return [final[r].outputs[0].token_ids for r in rids]
+_prompts, _run = random_prompts, run_tokens
 
 
 @pytest.fixture(scope="module")

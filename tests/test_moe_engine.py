@@ -15,7 +15,7 @@ from jinfer.config import ModelConfig
 from jinfer.models import param_shapes
 from jinfer.sampling_params import SamplingParams
 from jinfer.weights.safetensors_dir import load_safetensors_dir
-from tests.engine_fixtures import CompileCounter, make_engine
+from tests.engine_fixtures import CompileCounter, make_engine, run_tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 VOCAB = 512
@@ -53,10 +53,7 @@ def _prompts(n: int, seed: int, lo: int = 5, hi: int = 100) -> list[list[int]]:
   return [rng.integers(0, VOCAB, rng.integers(lo, hi)).tolist() for _ in range(n)]
 
 
-def _run(engine, prompts, params) -> list[list[int]]:
-  rids = [engine.add_request(None, p, params) for p in prompts]
-  final = engine.run_to_completion(rids)
-  return [final[r].outputs[0].token_ids for r in rids]
+_run = run_tokens
 
 
 @pytest.fixture

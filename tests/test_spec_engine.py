@@ -10,7 +10,8 @@ import pytest
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.sampling_params import SamplingParams
 from jinfer.spec.ngram import lookup
-from tests.engine_fixtures import CompileCounter, make_engine, tiny_loaded
+from tests.engine_fixtures import (CompileCounter, make_engine, random_prompts, run_tokens,
+                                   tiny_loaded)
 
 K = 3
 # Chunked prefill (budget 16), preemption (20 pages of 8 for up to 8 sequences of up to 128).
@@ -38,22 +39,14 @@ def spec_config(method: str, drafts: dict[str, str]) -> dict:
   return {"method": "draft_model", "num_speculative_tokens": K, "model": drafts[method]}
 
 
-def _prompts(n: int, seed: int, lo: int = 5, hi: int = 60) -> list[list[int]]:
-  rng = np.random.default_rng(seed)
-  return [rng.integers(3, 49000, rng.integers(lo, hi)).tolist() for _ in range(n)]
-
-
-def _run(engine, prompts, params) -> list[list[int]]:
-  rids = [engine.add_request(None, p, params) for p in prompts]
-  final = engine.run_to_completion(rids)
-  return [final[r].outputs[0].token_ids for r in rids]
-
-
 def _no_leaks(engine):
   assert not engine.scheduler.running and not engine.scheduler.waiting
   b = engine.blocks
   b.check_consistency()
   assert b.num_free_pages == b.num_usable_pages and not any(b.ref[1:])
+
+
+_prompts, _run = random_prompts, run_tokens
 
 
 @pytest.fixture(scope="module")
