@@ -72,3 +72,20 @@ def run_tokens(engine, prompts, params) -> list[list[int]]:
   rids = [engine.add_request(None, p, params) for p in prompts]
   final = engine.run_to_completion(rids)
   return [final[r].outputs[0].token_ids for r in rids]
+
+
+def prefix_sharing_prompts() -> list[list[int]]:
+  """Eight random prompts, then three that share a 40-token prefix: a batch with prefix hits."""
+  shared = random_prompts(1, seed=9, lo=40, hi=41)[0]
+  return random_prompts(8, seed=1) + [shared + p[:5] for p in random_prompts(3, seed=2)]
+
+
+def assert_batch_matches(engine, prompts, params, want):
+  """Run `prompts` together: their outputs are `want`, the pool forced a preemption and the
+  prefix cache hit. Returns the engine's stats after the run."""
+  before = engine.stats()
+  assert run_tokens(engine, prompts, params) == want
+  after = engine.stats()
+  assert after.num_preemptions > before.num_preemptions, "the pool was meant to force preemption"
+  assert after.prefix_hit_rate > 0
+  return after
