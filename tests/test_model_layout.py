@@ -116,5 +116,7 @@ def test_quantized_weights_are_a_leaf_type_with_per_layer_channels():
   got = [PagedBatch(CausalLM(CONFIG, kn, scan_layers=scan),
                     q if scan else unstack_layers(q, 3), 1, 4, 20).step(prompt)
          for scan in (True, False)]
-  np.testing.assert_allclose(got[0], got[1], atol=1e-5, rtol=1e-5)
+  # 1e-4: the CPU's int8 path rounds activations to 16-bit digits, and the layouts' float ops
+  # differ in the last bit, which can move a digit by one step.
+  np.testing.assert_allclose(got[0], got[1], atol=1e-4, rtol=1e-4)
   assert np.abs(got[0] - want).max() < 0.05 * np.abs(want).max()

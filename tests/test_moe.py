@@ -287,7 +287,8 @@ def test_pallas_tpu_grouped_matmul_in_the_model(quantization, tmp_path):
   if quantization:
     params = quantize_params(params, linear_kernels(config))
   prompts = _prompts(config, 8)
-  want = _prefill(CausalLM(config, KernelOptions(quantization=quantization)), params, prompts,
+  want = _prefill(CausalLM(config, KernelOptions(quantization=quantization, matmul="reference")),
+                  params, prompts,
                   pad_to=PREFILL_ROWS)
   tpu = KernelOptions(quantization=quantization, matmul="pallas_tpu",
                       grouped_matmul="pallas_tpu", interpret=True)

@@ -148,12 +148,18 @@ def reference_long(params):
   return _generate(_engine(params, max_num_batched_tokens=512), LONG)
 
 
-def _assert_same(got, want):
+def _assert_same(got, want, rtol: float = 0.0):
   for g, w in zip(got, want):
     assert g.token_ids == w.token_ids
     for gl, wl in zip(g.logprobs, w.logprobs):
       assert gl.keys() == wl.keys()
-      np.testing.assert_allclose([gl[t] for t in wl], list(wl.values()), atol=1e-4)
+      np.testing.assert_allclose([gl[t] for t in wl], list(wl.values()), atol=1e-4, rtol=rtol)
+
+
+# int8 weights on the CPU round activations to 16-bit digits per token: the last-bit differences
+# of a sharded float reduction can move a digit by one step (~1.5e-5 of the row's largest value),
+# and steps add up over layers and positions. A misplaced scale shard is off by far more.
+QUANTIZED_RTOL = 1e-3
 
 
 @pytest.mark.parametrize("options", [
@@ -210,7 +216,7 @@ def test_quantized_tied_head_matches_one_device(params):
       **BASE, quantization="int8", **o))
   want = _generate(make(), SHORT[:3])
   engine = make(tensor_parallel_size=2)
-  _assert_same(_generate(engine, SHORT[:3]), want)
+  _assert_same(_generate(engine, SHORT[:3]), want, QUANTIZED_RTOL)
   embed = engine.runner.params["embedding"]
   assert embed.transposed and embed.scale.sharding.spec == P("tensor")
 
@@ -327,7 +333,7 @@ def test_expert_parallel_matches_one_device(moe_params, options):
                                           config=EngineConfig(**BASE, **o))
   want = _generate(make(**one), SHORT[:4])
   engine = make(**options)
-  _assert_same(_generate(engine, SHORT[:4]), want)
+  _assert_same(_generate(engine, SHORT[:4]), want, QUANTIZED_RTOL if one else 0.0)
   experts = jax.tree.leaves(engine.runner.params["moe_layers"]["gate_up"])[0]  # [1, X, ...]
   tp = options["tensor_parallel_size"]
   if options.get("enable_expert_parallel"):  # whole experts, X / TP on each device

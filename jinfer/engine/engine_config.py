@@ -168,7 +168,7 @@ class EngineConfig:
 
 
 def _default_matmul_backend() -> str:
-  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "reference")
+  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
 
 
 def default_dtype():

@@ -11,7 +11,7 @@ QUANTIZATIONS = (None, "int8", "w8a8")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelOptions:
   attention: str = "xla"  # ragged_paged_attention backend
-  matmul: str = "reference"  # int8_matmul backend (used only when quantized)
+  matmul: str = "xla"  # int8_matmul backend (used only when quantized)
   grouped_matmul: str = "xla"  # grouped_matmul backend: MoE experts
   interpret: bool = False  # Pallas kernels in interpret mode (CPU testing)
   # None: float weights. "int8": int8 weights with per-output-channel scales, float activations

@@ -14,9 +14,11 @@ from pallas_kernels.int8_matmul.pallas_gpu import int8_matmul_gpu
 from pallas_kernels.int8_matmul.pallas_tpu import int8_matmul_tpu
 from pallas_kernels.int8_matmul.quantize import quantize_per_channel, quantize_per_token
 from pallas_kernels.int8_matmul.reference import int8_matmul_reference
+from pallas_kernels.int8_matmul.xla import int8_matmul_xla
 
 _IMPLS = {
     "reference": int8_matmul_reference,
+    "xla": int8_matmul_xla,
     "pallas_tpu": int8_matmul_tpu,
     "pallas_gpu": int8_matmul_gpu,
 }
@@ -53,10 +55,10 @@ def int8_matmul(
   if x.ndim != 2 or w_int8.shape[k_axis] != x.shape[1] or w_scale.shape != (
       w_int8.shape[1 - k_axis],):
     raise ValueError(f"shapes do not match: x {x.shape}, w {w_int8.shape}, scale {w_scale.shape}")
-  if backend == "reference":
+  if backend in ("reference", "xla"):
     if block_sizes or interpret:
-      raise ValueError("the reference backend takes no block sizes and no interpret mode")
-    return int8_matmul_reference(x, w_int8, w_scale, mode=mode, transpose_w=transpose_w)
+      raise ValueError(f"the {backend} backend takes no block sizes and no interpret mode")
+    return _IMPLS[backend](x, w_int8, w_scale, mode=mode, transpose_w=transpose_w)
   if transpose_w:
     w_int8 = w_int8.T
   return _IMPLS[backend](x, w_int8, w_scale, mode=mode, interpret=interpret, **block_sizes)

@@ -4,14 +4,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-_QMAX = 127.0  # symmetric range [-127, 127]: -128 is never produced, so negation is exact
+QMAX = 127.0  # symmetric range [-127, 127]: -128 is never produced, so negation is exact
 
 
 def _quantize(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
   x = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-  scale = jnp.where(amax == 0.0, 1.0, amax / _QMAX)  # an all-zero channel quantizes to zeros
-  q = jnp.clip(jnp.round(x / scale), -_QMAX, _QMAX).astype(jnp.int8)
+  scale = jnp.where(amax == 0.0, 1.0, amax / QMAX)  # an all-zero channel quantizes to zeros
+  q = jnp.clip(jnp.round(x / scale), -QMAX, QMAX).astype(jnp.int8)
   return q, jnp.squeeze(scale, axis)
 
 
