@@ -17,8 +17,12 @@ PROMPTS = ["The capital of France is", "def fib(n):"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
+# Every step scanned: an unrolled bucket compiles every layer, and the kernels are what differs.
+ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=32, warmup=False, scan_layers=True)
+
+
 def _greedy(**options) -> list[list[int]]:
-  llm = LLM(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, warmup=False, **options)
+  llm = LLM(max_model_len=128, **ENGINE, **options)
   return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
@@ -38,7 +42,7 @@ def _perplexity(model, params, ids: list[int]) -> float:
 
 @pytest.mark.slow
 def test_int8_perplexity_within_two_percent():
-  llm = LLM(max_model_len=600, max_num_seqs=2, max_num_batched_tokens=32, warmup=False)
+  llm = LLM(max_model_len=600, **ENGINE)
   eng = llm.engine
   # A fixed English text that ships with every CPython.
   ids = llm.tokenizer.encode(topics["assignment"])[:512]
@@ -53,8 +57,7 @@ def test_int8_perplexity_within_two_percent():
   assert abs(ppl["w8a8"] / base - 1) < 0.05
   out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                  SamplingParams(temperature=0.0, max_tokens=16))
-  quant = LLM(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, warmup=False,
-              quantization="int8")
+  quant = LLM(max_model_len=128, **ENGINE, quantization="int8")
   assert quant.engine.stats().weight_bytes < 0.5 * eng.stats().weight_bytes
   qout = quant.chat([{"role": "user", "content": "What is the capital of France?"}],
                     SamplingParams(temperature=0.0, max_tokens=16))

@@ -213,8 +213,12 @@ def test_fused_expert_layout_loads_the_same(tiny_moe, tmp_path):
   fused = load_safetensors_dir(str(tmp_path), config)
   jax.tree.map(np.testing.assert_array_equal, fused, params)
   back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+  want = hf.state_dict()
+  for name, value in back.state_dict().items():
+    torch.testing.assert_close(value, want[name], rtol=0, atol=0)
+  # torch may sum in another order over the reloaded tensors' memory layout: the last bits differ.
   ids = _prompts(config, 6)[1]
-  np.testing.assert_array_equal(_hf_logits(back, ids), _hf_logits(hf, ids))
+  np.testing.assert_allclose(_hf_logits(back, ids), _hf_logits(hf, ids), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

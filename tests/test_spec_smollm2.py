@@ -17,9 +17,10 @@ CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
                            "checkpoints")
 DRAFT = os.path.join(CHECKPOINTS, "smollm2-135m-draft")
 MEDUSA = os.path.join(CHECKPOINTS, "smollm2-135m-medusa")
-# 39 usable pages (624 tokens) for 16 running sequences of up to ~240 tokens: preemption.
+# 39 usable pages (624 tokens) for 16 running sequences of up to ~240 tokens: preemption. Every
+# step scanned: each unrolled bucket compiles every layer, which cost this module 4 minutes.
 ENGINE = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=64, page_size=16,
-              num_pages=40, warmup=False)
+              num_pages=40, warmup=False, scan_layers=True)
 SPECS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                    "prompt_lookup_max": 4},
          "draft": {"method": "draft_model", "num_speculative_tokens": 4, "model": DRAFT},
