@@ -181,7 +181,10 @@ def run_engine(args, cp: int, trials: list[dict], ppl_ids: list[int], max_model_
             num_pages=len(args.depths) * pages_per_seq + 1,
             # The haystacks share their opening sentences: without a prefix cache every prompt
             # runs in full, so each length's timing and logprobs come from its own prefill.
-            enable_prompt_logprobs=True, enable_prefix_caching=False, warmup=args.warmup)
+            enable_prompt_logprobs=True, enable_prefix_caching=False, warmup=args.warmup,
+            # Both runs scanned (a sharded one always is): the comparison isolates ring
+            # attention, and no unrolled decode bucket compiles every layer.
+            scan_layers=True)
   engine_s = time.perf_counter() - t0
   _progress(f"CP={cp} engine ready ({engine_s:.1f} s)")
   needle, needle_s = [], {}
