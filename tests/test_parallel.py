@@ -4,6 +4,7 @@ greedy tokens identical), bytes per device, compiles, errors, and two processes 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -318,21 +319,29 @@ def moe_params():
   return jax.tree.map(jnp.asarray, p)
 
 
+@pytest.fixture(scope="module")
+def moe_reference(moe_params):
+  """quantization -> the one-device outputs for SHORT[:4], each computed once."""
+  @functools.cache
+  def outputs(quantization=None):
+    return _generate(LLMEngine.from_parts(MOE, moe_params, None, warmup=False, config=EngineConfig(
+        **BASE, quantization=quantization)), SHORT[:4])
+  return outputs
+
+
 @pytest.mark.parametrize("options", [
-    pytest.param(dict(tensor_parallel_size=4, enable_expert_parallel=True),
-                 marks=pytest.mark.slow),
+    # four experts on each device (quantized), one on each
     pytest.param(dict(tensor_parallel_size=2, enable_expert_parallel=True, quantization="int8"),
                  marks=pytest.mark.slow),
     pytest.param(dict(tensor_parallel_size=8, enable_expert_parallel=True),
                  marks=pytest.mark.slow),
     pytest.param(dict(tensor_parallel_size=2), marks=pytest.mark.slow),  # experts' MLP split
 ], ids=lambda o: "-".join(f"{k.split('_')[0]}{v}" for k, v in o.items()))
-def test_expert_parallel_matches_one_device(moe_params, options):
+def test_expert_parallel_matches_one_device(moe_params, moe_reference, options):
   one = {k: v for k, v in options.items() if k == "quantization"}
-  make = lambda **o: LLMEngine.from_parts(MOE, moe_params, None, warmup=False,
-                                          config=EngineConfig(**BASE, **o))
-  want = _generate(make(**one), SHORT[:4])
-  engine = make(**options)
+  want = moe_reference(**one)
+  engine = LLMEngine.from_parts(MOE, moe_params, None, warmup=False,
+                                config=EngineConfig(**BASE, **options))
   _assert_same(_generate(engine, SHORT[:4]), want, QUANTIZED_RTOL if one else 0.0)
   experts = jax.tree.leaves(engine.runner.params["moe_layers"]["gate_up"])[0]  # [1, X, ...]
   tp = options["tensor_parallel_size"]
