@@ -11,7 +11,7 @@ import pytest
 
 from jinfer import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow  # four SmolLM2 engines, ~5 minutes
+pytestmark = pytest.mark.slow  # four SmolLM2 engines, ~3 minutes
 
 CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "checkpoints")
