@@ -117,8 +117,9 @@ def main():
   for spec in specs.values():
     if spec is not None and args.disable_by_batch_size is not None:
       spec["disable_by_batch_size"] = args.disable_by_batch_size
+  # 40 pages a sequence, and at least one whole max_model_len sequence (64 pages)
   base = EngineConfig(max_model_len=1024, max_num_seqs=max(args.batches),
-                      max_num_batched_tokens=512, num_pages=1 + max(args.batches) * 40)
+                      max_num_batched_tokens=512, num_pages=1 + max(max(args.batches) * 40, 64))
   engines = {}
   for m in args.methods:
     t0 = time.monotonic()
