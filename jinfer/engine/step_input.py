@@ -72,10 +72,17 @@ class Buckets:
 
   @property
   def token_buckets(self) -> list[int]:
+    """Powers of two from `smallest_bucket`, and with speculation the single stream's verify
+    step exactly (1 + k rows): on a CPU a step's cost grows with its rows (SmolLM2: 5 rows cost
+    0.8x of 8), and that step is the one speculation at batch 1 runs."""
     out, t = [], self.smallest_bucket
     while t < self.max_num_batched_tokens:
       out.append(t)
       t *= 2
+    verify = 1 + self.num_speculative_tokens
+    if (self.num_speculative_tokens and verify < self.max_num_batched_tokens
+        and verify % self.smallest_bucket == 0):
+      out = sorted(set(out) | {verify})
     return out + [self.max_num_batched_tokens]
 
   def num_seqs(self, t: int) -> int:
