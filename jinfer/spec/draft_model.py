@@ -32,7 +32,7 @@ from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.request import Sequence
 from jinfer.engine.scheduler import ScheduledBatch
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
-from jinfer.models import CausalLM
+from jinfer.models import CausalLM, unstack_layers
 from jinfer.quant.qarray import param_bytes
 from jinfer.sample import (SamplingTensors, _argmax, any_penalty, ban, draw, filter_sorted,
                            penalize, row_keys)
@@ -123,8 +123,13 @@ class DraftModelProposer(Proposer):
                engine_config: EngineConfig, buckets: Buckets, dtype):
     super().__init__(k)
     self.config, self.buckets = config, buckets
-    self.model = CausalLM(config, engine_config.kernel_options(), dtype=dtype, scan_layers=True)
-    self.params = params
+    # On the CPU the draft's layers run unrolled, over views of the stacked weights: a scanned
+    # layer copies its weights out of the stack first, which dominates passes of a few rows (see
+    # `EngineConfig.unrolled_max_tokens`); with a draft's few layers the compile stays cheap.
+    unrolled = jax.default_backend() == "cpu"
+    self.model = CausalLM(config, engine_config.kernel_options(), dtype=dtype,
+                          scan_layers=not unrolled)
+    self.params = unstack_layers(params, config.num_layers) if unrolled else params
     if vocab is None:
       vocab = np.arange(config.vocab_size, dtype=np.int32)
     self.vocab = jnp.asarray(vocab, jnp.int32)
