@@ -123,10 +123,10 @@ class DraftModelProposer(Proposer):
                engine_config: EngineConfig, buckets: Buckets, dtype):
     super().__init__(k)
     self.config, self.buckets = config, buckets
-    # On the CPU the draft's layers run unrolled, over views of the stacked weights: a scanned
-    # layer copies its weights out of the stack first, which dominates passes of a few rows (see
-    # `EngineConfig.unrolled_max_tokens`); with a draft's few layers the compile stays cheap.
-    unrolled = jax.default_backend() == "cpu"
+    # Where the target runs its small steps unrolled (the CPU, unless `scan_layers` says
+    # otherwise; see `EngineConfig.unrolled_max_tokens`), the draft runs every pass unrolled:
+    # its passes are a few rows each, and with its few layers the compile stays cheap.
+    unrolled = engine_config.unrolled_max_tokens() > 0
     self.model = CausalLM(config, engine_config.kernel_options(), dtype=dtype,
                           scan_layers=not unrolled)
     self.params = unstack_layers(params, config.num_layers) if unrolled else params
