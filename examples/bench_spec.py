@@ -94,6 +94,8 @@ def main():
   ap.add_argument("--workloads", nargs="+", default=["chat", "random"])
   ap.add_argument("--methods", nargs="+", default=["off", "ngram", "draft"],
                   help="off ngram draft medusa_chain medusa_tree")
+  ap.add_argument("--quantization", default=None, choices=("int8", "w8a8"),
+                  help="the target's weights (every engine alike)")
   ap.add_argument("--max-tokens", type=int, default=128)
   ap.add_argument("--single-requests", type=int, default=3)
   ap.add_argument("--repeats", type=int, default=3)
@@ -119,7 +121,8 @@ def main():
       spec["disable_by_batch_size"] = args.disable_by_batch_size
   # 40 pages a sequence, and at least one whole max_model_len sequence (64 pages)
   base = EngineConfig(max_model_len=1024, max_num_seqs=max(args.batches),
-                      max_num_batched_tokens=512, num_pages=1 + max(max(args.batches) * 40, 64))
+                      max_num_batched_tokens=512, num_pages=1 + max(max(args.batches) * 40, 64),
+                      quantization=args.quantization)
   engines = {}
   for m in args.methods:
     t0 = time.monotonic()
@@ -129,7 +132,8 @@ def main():
 
   report = {"machine": machine_info(), "model": args.model,
             "engine": {k: getattr(base, k) for k in ("max_model_len", "max_num_seqs",
-                                                     "max_num_batched_tokens", "num_pages")},
+                                                     "max_num_batched_tokens", "num_pages",
+                                                     "quantization")},
             "speculative_configs": {m: engines[m].config.speculative_config.to_dict()
                                     if specs[m] else None for m in args.methods},
             "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": []}

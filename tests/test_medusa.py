@@ -291,6 +291,25 @@ def test_stops_and_logprobs_as_without_speculation(tiny_model, heads, baseline):
         np.testing.assert_allclose(list(a.values()), list(b.values()), atol=1e-4)
 
 
+@pytest.mark.slow
+def test_vocabulary_heads_on_a_quantized_target(tiny_model, tmp_path):
+  """Heads restricted to a vocabulary project through the target's tied embedding; quantized,
+  that embedding is a QArray whose rows are dequantized once at load time."""
+  config = tiny_model[0]
+  p = mh.init_heads(3, config.hidden_size)  # zero blocks: the identity heads above
+  p["vocab"] = np.arange(config.vocab_size, dtype=np.int32)[::-1].copy()  # all, reordered
+  mh.save_heads(str(tmp_path), p, {"hidden_size": config.hidden_size,
+                                   "vocab_size": config.vocab_size})
+  prompts = _prompts(3, seed=4)
+  baseline = make_engine(tiny_model, warmup=False, **SMALL, quantization="int8")
+  eng = make_engine(tiny_model, warmup=False, **SMALL, quantization="int8",
+                    speculative_config={"method": "medusa", "num_speculative_tokens": 3,
+                                        "model": str(tmp_path), "medusa_choices": TREE})
+  assert _run(eng, prompts, GREEDY) == _run(baseline, prompts, GREEDY)
+  # The identity heads guess the target's next token again only if their rows are its own.
+  assert eng.stats().spec.mean_tokens_per_verify > 2.5
+
+
 @pytest.mark.slow  # ~90 s: compiles every bucket's plain and verify step
 def test_no_compiles_after_warmup(tiny_model, heads):
   eng = make_engine(tiny_model, **SMALL, speculative_config={

@@ -80,9 +80,10 @@ class MedusaProposer(Proposer):
         raise ValueError(f"{spec.model}: heads restricted to a vocabulary share a tied "
                          f"embedding; this model has a separate LM head")
       embed = target_params["embedding"]
-      rows = embed[heads["vocab"]]
-      if isinstance(embed, QArray):
+      if isinstance(embed, QArray):  # a quantized target's rows, dequantized once
         rows = embed.values[heads["vocab"]].astype(dtype) * embed.scale[heads["vocab"]][:, None]
+      else:
+        rows = embed[heads["vocab"]]
       heads = {**heads, "rows": jnp.asarray(rows, dtype)}
     # From host copies: uncommitted, like the cache they meet in the step (an input committed to
     # a device commits the step's outputs, and a cache whose commitment changes recompiles).
