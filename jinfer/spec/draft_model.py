@@ -65,22 +65,30 @@ def _sample_draft(logits: jax.Array, st: SamplingTensors, vt: VerifyTensors, voc
   """The draft's token for chain index `vt.row_depth` of every sequence and its q [S, Vd]:
   the request's processing over the draft's logits [S, Vd] (-inf outside its vocabulary)."""
   s = logits.shape[0]
-  x = jnp.full((s, vocab_size), -jnp.inf, logits.dtype).at[:, vocab].set(logits)
   rst = row_tensors(st, vt, with_history=False)
-  x = jax.lax.cond(any_penalty(st), lambda l: penalize(l, row_tensors(st, vt, with_history=True)),
-                   lambda l: l, x)
-  x = ban(x, rst.banned)
-  greedy = _argmax(x)
+  no_q = jnp.zeros(logits.shape, jnp.float32)  # greedy rows' q goes unused
 
-  def sampled(x):
-    order, w = filter_sorted(x, rst)
-    token = draw(order, w, jnp.sum(w > 0, axis=-1) - 1, row_keys(rst, DRAFT_STREAM))
-    q = jnp.zeros_like(w).at[jnp.arange(s)[:, None], order].set(w / w.sum(-1, keepdims=True))
-    return token, q[:, vocab]
+  def processed(logits):  # the request's processing needs the whole vocabulary
+    x = jnp.full((s, vocab_size), -jnp.inf, logits.dtype).at[:, vocab].set(logits)
+    x = jax.lax.cond(any_penalty(st),
+                     lambda l: penalize(l, row_tensors(st, vt, with_history=True)),
+                     lambda l: l, x)
+    x = ban(x, rst.banned)
+    greedy = _argmax(x)
 
-  token, q = jax.lax.cond(jnp.any(st.temperature > 0), sampled,
-                          lambda x: (greedy, jnp.zeros(logits.shape, jnp.float32)), x)
-  return jnp.where(rst.temperature > 0, token, greedy), q
+    def sampled(x):
+      order, w = filter_sorted(x, rst)
+      token = draw(order, w, jnp.sum(w > 0, axis=-1) - 1, row_keys(rst, DRAFT_STREAM))
+      q = jnp.zeros_like(w).at[jnp.arange(s)[:, None], order].set(w / w.sum(-1, keepdims=True))
+      return token, q[:, vocab]
+
+    token, q = jax.lax.cond(jnp.any(st.temperature > 0), sampled, lambda x: (greedy, no_q), x)
+    return jnp.where(rst.temperature > 0, token, greedy), q
+
+  # All greedy with nothing to process (the common case): the argmax over the draft's own
+  # vocabulary, without scattering every row to the full one (3 x [S, V] writes a step).
+  plain = jnp.all(st.temperature <= 0) & ~any_penalty(st) & jnp.all(rst.banned < 0)
+  return jax.lax.cond(plain, lambda l: (vocab[_argmax(l)], no_q), processed, logits)
 
 
 def _propose(model: CausalLM, k: int, vocab_size: int, propose: bool, params, head, vocab,
