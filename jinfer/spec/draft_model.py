@@ -86,7 +86,7 @@ def _sample_draft(logits: jax.Array, st: SamplingTensors, vt: VerifyTensors, voc
     return jnp.where(rst.temperature > 0, token, greedy), q
 
   # All greedy with nothing to process (the common case): the argmax over the draft's own
-  # vocabulary, without scattering every row to the full one (3 x [S, V] writes a step).
+  # vocabulary, without scattering every row to the full one ([S, V] writes each pass).
   plain = jnp.all(st.temperature <= 0) & ~any_penalty(st) & jnp.all(rst.banned < 0)
   return jax.lax.cond(plain, lambda l: (vocab[_argmax(l)], no_q), processed, logits)
 
