@@ -10,13 +10,13 @@ import pytest
 
 from jinfer.accept import VerifyTensors
 from jinfer.engine.engine_config import EngineConfig
-from jinfer.sample import SamplingTensors
 from jinfer.sampling_params import SamplingParams
 from jinfer.spec.draft_model import _sample_draft
 from jinfer.spec.ngram import lookup
 from tests.engine_fixtures import (CompileCounter, assert_batch_matches, make_engine,
                                    prefix_sharing_prompts, random_prompts, run_tokens,
                                    tiny_loaded)
+from tests.test_accept import tensors
 
 K = 3
 # Chunked prefill (budget 16), preemption (20 pages of 8 for up to 8 sequences of up to 128).
@@ -214,20 +214,15 @@ def test_draft_sampling_over_a_restricted_vocabulary():
   rng = np.random.default_rng(0)
   vocab = rng.permutation(v)[:300].astype(np.int32)  # target ids, in no particular order
   logits = rng.standard_normal((s, len(vocab))).astype(np.float32)
-  f32, i32 = lambda x: jnp.full(s, x, jnp.float32), lambda x: jnp.full(s, x, jnp.int32)
-  st = SamplingTensors(temperature=f32(0), top_k=i32(v), top_p=f32(1), min_p=f32(0),
-                       repetition_penalty=f32(1), presence_penalty=f32(0),
-                       frequency_penalty=f32(0), seeds=jnp.zeros(s, jnp.uint32),
-                       gen_idx=i32(0), history=jnp.full((s, 1), -1, jnp.int32),
-                       prompt_lens=i32(0), banned=jnp.full((s, 1), -1, jnp.int32),
-                       num_logprobs=i32(0))
+  st = tensors(s, np.zeros(s), temperature=0.0)  # greedy, nothing banned
+  i32 = lambda x: jnp.full(s, x, jnp.int32)
   vt = VerifyTensors(draft_tokens=jnp.zeros((s, 2), jnp.int32), num_drafts=i32(2),
                      row_seq=jnp.arange(s, dtype=jnp.int32), row_depth=i32(0),
                      chain=jnp.zeros((s, 3), jnp.int32), ban_rows=i32(1))
   best = vocab[np.argmax(logits, axis=1)]
   token, _ = _sample_draft(jnp.asarray(logits), st, vt, jnp.asarray(vocab), v)
   np.testing.assert_array_equal(token, best)
-  banned = np.full((s, 1), -1, np.int32)
+  banned = np.full((s, 2), -1, np.int32)
   banned[1, 0] = best[1]
   token, _ = _sample_draft(jnp.asarray(logits), st.replace(banned=jnp.asarray(banned)), vt,
                            jnp.asarray(vocab), v)
