@@ -229,7 +229,7 @@ def main():
   p.add_argument("--batch-size", type=int, default=16)
   p.set_defaults(fn=cmd_accept)
   args = ap.parse_args()
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
   args.fn(args)
 
 

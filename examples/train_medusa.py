@@ -213,7 +213,7 @@ def main():
   p.add_argument("--heads", required=True)
   p.set_defaults(fn=cmd_eval)
   args = ap.parse_args()
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax narrates every save
   args.fn(args)
 

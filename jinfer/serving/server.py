@@ -82,7 +82,10 @@ def serve(model: str, *, options: ServerOptions = ServerOptions(),
           served_model_name: str | None = None, config: EngineConfig | None = None,
           distributed_config: DistributedConfig = DistributedConfig()):
   """Several processes: process 0 serves HTTP; the others run its steps until it stops."""
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  # force: importing orbax (absl) has already given the root logger a handler, which would make
+  # this a no-op and hide jinfer's INFO lines, the address served included.
+  logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+  logging.getLogger("jinfer").setLevel(logging.INFO)
   distributed.initialize(distributed_config)
   config = config or EngineConfig()
   if not distributed_config.is_leader:
