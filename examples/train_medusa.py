@@ -8,10 +8,11 @@ Stages, each reading the files earlier ones wrote to --work-dir:
   train     heads on the cached hidden states (`jinfer/spec/medusa_train.py`)
   eval      per-head top-1 / top-5 accuracy of saved heads on the held-back answers
 
-    python examples/train_medusa.py generate --split train --num-prompts 640 --max-tokens 192
+    python examples/train_medusa.py generate --split train --max-tokens 256
     python examples/train_medusa.py generate --split eval --num-prompts 64 --max-tokens 192
     python examples/train_medusa.py hidden
-    python examples/train_medusa.py train --steps 3000 --out checkpoints/smollm2-135m-medusa
+    python examples/train_medusa.py train --steps 5000 --eval-every 500 \
+      --out checkpoints/smollm2-135m-medusa
     python examples/train_medusa.py eval --heads checkpoints/smollm2-135m-medusa
 """
 from __future__ import annotations

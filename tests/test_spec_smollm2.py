@@ -53,7 +53,7 @@ def test_greedy_output_is_the_same_as_without_speculation(workload, method):
   assert alone == want
   first = llm.engine.stats().spec.acceptance_per_position[0]
   if method == "draft":  # a trained draft, not a random one (that would be right ~1/8192)
-    assert first > 0.1, llm.engine.stats().spec.summary()  # measured 0.165
+    assert first > 0.1, llm.engine.stats().spec.summary()
   if method == "medusa":  # trained heads: the first head's candidates are often right
     assert first > 0.3, llm.engine.stats().spec.summary()
   before = llm.engine.stats()
