@@ -90,11 +90,28 @@ class Linear(nn.Module):
                       mode=self.kernels.matmul_mode, backend=self.kernels.matmul,
                       interpret=self.kernels.interpret).reshape(lead + out_shape)
     else:
-      y = jnp.tensordot(x, w.astype(x.dtype), axes=self.n_in)
+      y = _float_matmul(x, w.astype(x.dtype), self.n_in, one_device=self.kernels.mesh is None)
     if self.use_bias:
       y = y + _param(self, "bias", out_shape, self.axes[self.n_in:], self.dtype,
                      nn.initializers.zeros).astype(y.dtype)
     return y
+
+
+def _float_matmul(x: jax.Array, w: jax.Array, n_in: int, *, one_device: bool) -> jax.Array:
+  """x [..., K...] . w [K..., N...] over the `n_in` trailing axes of x -> [..., N...].
+
+  One row on one CPU device runs as two half-length dots batched together and summed: XLA:CPU
+  computes a one-row dot on one core, the batched pair on both (a single stream's layers read
+  425 MB at ~25 GB/s instead of ~19 on a 2-core box). Two rows or more run as one dot: there
+  the split measures slower.
+  """
+  lead, k_shape = x.shape[:x.ndim - n_in], w.shape[:n_in]
+  k, out = int(np.prod(k_shape)), w.shape[n_in:]
+  if not (one_device and int(np.prod(lead)) == 1 and k % 2 == 0
+          and jax.default_backend() == "cpu"):
+    return jnp.tensordot(x, w, axes=n_in)
+  halves = jnp.einsum("bk,bkn->bn", x.reshape(2, k // 2), w.reshape(2, k // 2, -1))  # [2, N]
+  return halves.sum(0).reshape(lead + out)
 
 
 class RMSNorm(nn.Module):
