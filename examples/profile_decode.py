@@ -29,12 +29,12 @@ import numpy as np
 from jinfer.bench.machine import machine_info
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
-from jinfer.models.llama import HEAD_MODE, Linear
-from jinfer.quant.qarray import QArray, param_bytes
+from jinfer.models.llama import Linear, lm_head
+from jinfer.quant.qarray import param_bytes
 from jinfer.sample import sample
 from jinfer.sampling_params import SamplingParams
 from jinfer.weights.loader import DEFAULT_MODEL, load_model
-from pallas_kernels import int8_matmul, ragged_paged_attention, write_kv
+from pallas_kernels import ragged_paged_attention, write_kv
 
 
 def _load() -> float | None:
@@ -117,13 +117,7 @@ def part_timings(engine: LLMEngine, inp, repeats: int) -> dict:
   def head(p, x, rows):
     x = x[rows]
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * p["norm"]["scale"]
-    if isinstance(p["embedding"], QArray):  # a quantized tied embedding, as the model runs it
-      w = p["embedding"]
-      return int8_matmul(x, w.values, w.scale, mode=HEAD_MODE, backend=kn.matmul,
-                         interpret=kn.interpret, transpose_w=True)
-    if c.tie_word_embeddings:
-      return x @ p["embedding"].T
-    return lin((e, c.vocab_size), ("embed", "vocab")).apply({"params": p["lm_head"]}, x)
+    return lm_head(p, c, kn, x)  # as the model runs it
 
   lm = jax.jit(head)
   logits = lm(params, x0, inp.logits_indices)

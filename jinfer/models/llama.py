@@ -330,6 +330,8 @@ def _tied_head(x: jax.Array, embed, kernels: KernelOptions) -> jax.Array:
   if isinstance(embed, QArray):
     return int8_matmul(x, embed.values, embed.scale, mode=HEAD_MODE, backend=kernels.matmul,
                        interpret=kernels.interpret, transpose_w=True)
+  if x.shape[0] == 1:  # as a matrix-vector product: XLA:CPU runs x @ embed.T as a slow loop
+    return (embed.astype(x.dtype) @ x[0])[None]
   return x @ embed.T.astype(x.dtype)
 
 
