@@ -1,6 +1,6 @@
 """The v2 model layer on a tiny random model: the scanned and the unrolled stack agree, a step
-never copies the KV cache, hidden states come out beside the logits, and quantized weights are a
-leaf type whose scales never mix layers."""
+never copies the KV cache, hidden states come out beside the logits, quantized weights are a
+leaf type whose scales never mix layers, and a one-row product is that row of a larger one."""
 from __future__ import annotations
 
 import jax
@@ -12,6 +12,7 @@ from jinfer.config import ModelConfig
 from jinfer.engine.step_input import empty_step_input, to_step_input
 from jinfer.models import CausalLM, linear_kernels, param_shapes, unstack_layers
 from jinfer.models.kernel_options import KernelOptions
+from jinfer.models.llama import Linear, lm_head
 from jinfer.quant.qarray import QArray, quantize, quantize_params
 from tests.engine_fixtures import make_engine
 from tests.paged_batch import PagedBatch
@@ -120,3 +121,18 @@ def test_quantized_weights_are_a_leaf_type_with_per_layer_channels():
   # differ in the last bit, which can move a digit by one step.
   np.testing.assert_allclose(got[0], got[1], atol=1e-4, rtol=1e-4)
   assert np.abs(got[0] - want).max() < 0.05 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("shape, n_in", [((32, 48), 1), ((4, 8, 32), 2)])
+def test_a_one_row_product_is_that_row_of_a_larger_one(shape, n_in):
+  """A one-row step multiplies its own way on the CPU (two half-length dots, and the tied head
+  as embedding @ x); the row must come out as it does among others."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((3,) + shape[:n_in]), jnp.float32)
+  lin = Linear(shape, tuple(f"axis{i}" for i in range(len(shape))), KernelOptions(), n_in=n_in)
+  variables = lin.init(jax.random.key(0), x)
+  np.testing.assert_allclose(lin.apply(variables, x[:1]), lin.apply(variables, x)[:1],
+                             rtol=1e-5, atol=1e-5)
+  params, h = _params(), x.reshape(3, -1)[:, :CONFIG.hidden_size]
+  head = lambda rows: lm_head(params, CONFIG, KernelOptions(), rows)  # [rows, vocab]
+  np.testing.assert_allclose(head(h[:1]), head(h)[:1], rtol=1e-5, atol=1e-5)
