@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None):
     logger = logging.getLogger("jinfer")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    logger.propagate = False  # a root handler (importing orbax installs one) would print it again
   try:
     args.fn(args)
   except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -1,8 +1,11 @@
-"""Smoke test of the offline benchmark: `jinfer bench` on a tiny random model, JSON checked."""
+"""Smoke tests of the offline benchmark (`jinfer bench` on a tiny random model, JSON checked),
+the benchmark scripts in examples/, and `jinfer generate`'s progress lines."""
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -146,3 +149,16 @@ def test_single_stream_script_reports_every_mode(tiny_model_dir, capsys):
     assert len(m["single_stream_tok_s"]) == len(m["batch_tok_s"]) == 2
     assert m["single_stream_median"] > 0 and m["batch_median"] > 0
   assert "llama_cpp" in r  # None unless llama-cpp-python is installed
+
+
+def test_generate_cli_prints_each_progress_line_once(tiny_model_dir):
+  """`jinfer generate` in a fresh process: its progress lines come once, in its own format
+  (importing orbax configures the root logger, which printed each a second time)."""
+  env = dict(os.environ, HF_HUB_OFFLINE="1")
+  proc = subprocess.run(
+      [sys.executable, "-m", "jinfer.cli", "generate", "--model", tiny_model_dir, "--raw",
+       "--max-model-len", "64", "--max-tokens", "4", "t3 t4 t5"],
+      env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  lines = [l for l in proc.stderr.splitlines() if "-token step" in l]  # compiled or loaded
+  assert lines and all(l.startswith("jinfer: ") for l in lines), proc.stderr[-4000:]
