@@ -105,8 +105,8 @@ def _float_matmul(x: jax.Array, w: jax.Array, n_in: int, *, one_device: bool) ->
   425 MB at ~25 GB/s instead of ~19 on a 2-core box). Two rows or more run as one dot: there
   the split measures slower.
   """
-  lead, k_shape = x.shape[:x.ndim - n_in], w.shape[:n_in]
-  k, out = int(np.prod(k_shape)), w.shape[n_in:]
+  lead, out = x.shape[:x.ndim - n_in], w.shape[n_in:]
+  k = int(np.prod(w.shape[:n_in]))
   if not (one_device and int(np.prod(lead)) == 1 and k % 2 == 0
           and jax.default_backend() == "cpu"):
     return jnp.tensordot(x, w, axes=n_in)
