@@ -98,6 +98,7 @@ def test_seeded_sampling_independent_of_batch(engine):
   assert other != alone
 
 
+@pytest.mark.slow
 def test_no_compiles_after_warmup(loaded):
   eng = make_engine(loaded, max_model_len=256, page_size=8, max_num_seqs=8,
                     max_num_batched_tokens=32, max_prefill_seqs=2)
@@ -115,6 +116,7 @@ def test_no_compiles_after_warmup(loaded):
   assert counter.count == 0, f"{counter.count} compiles after warmup"
 
 
+@pytest.mark.slow
 def test_n_samples_share_prompt_pages(loaded):
   eng = make_engine(loaded, max_model_len=256, page_size=8, max_num_seqs=8,
                     max_num_batched_tokens=64)
@@ -239,6 +241,7 @@ def test_prompt_logprobs_match_the_model(loaded):
         None, prompt[:5], SamplingParams(prompt_logprobs=1))
 
 
+@pytest.mark.slow
 def test_static_batching_waits_for_the_whole_batch(loaded):
   # 3 sequences of max_model_len (8 pages each) fit in 25 usable pages: batches of 3.
   eng = make_engine(loaded, max_model_len=64, page_size=8, num_pages=26, max_num_seqs=8,

@@ -276,6 +276,7 @@ def test_output_is_the_same_as_without_speculation(tiny_model, heads, baseline, 
   assert b.num_free_pages == b.num_usable_pages and not any(b.ref[1:])
 
 
+@pytest.mark.slow
 def test_stops_and_logprobs_as_without_speculation(tiny_model, heads, baseline):
   eng = _medusa(tiny_model, heads["identity"])
   prompt = _prompts(1, seed=3)[0]

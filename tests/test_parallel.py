@@ -169,7 +169,8 @@ QUANTIZED_RTOL = 1e-3
     pytest.param(dict(tensor_parallel_size=8), marks=pytest.mark.slow),  # KV heads x4
     pytest.param(dict(data_parallel_size=2), marks=pytest.mark.slow),  # quick: the async test
     pytest.param(dict(tensor_parallel_size=2, data_parallel_size=2), marks=pytest.mark.slow),
-    dict(tensor_parallel_size=2, context_parallel_size=2, context_layout="plain"),
+    pytest.param(dict(tensor_parallel_size=2, context_parallel_size=2, context_layout="plain"),
+                 marks=pytest.mark.slow),
 ], ids=lambda o: "-".join(f"{k.split('_')[0]}{v}" for k, v in o.items()))
 def test_parallel_engine_matches_one_device(params, reference, options):
   _assert_same(_generate(_engine(params, **options), SHORT), reference)
@@ -208,6 +209,7 @@ def test_bytes_per_device(params):
   assert abs(ranks[0] - ranks[1]) <= 1, ranks
 
 
+@pytest.mark.slow
 def test_quantized_tied_head_matches_one_device(params):
   """A tied embedding quantizes as the LM head's kernel `[vocab, embed]`: under tensor
   parallelism its per-row scales follow the rows' vocabulary split."""
@@ -251,6 +253,7 @@ def test_data_parallel_routes_by_prefix_and_load(params):
   assert engine.stats().num_running == 0 and not engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_async_engine_serves_data_parallel_ranks(params, reference):
   """The server's engine loop drives the DP front end like one engine."""
   import asyncio

@@ -358,6 +358,7 @@ def test_unknown_backend_raises():
     run(case, make_batch(case), "cuda")
 
 
+@pytest.mark.slow
 def test_bench_script_smoke(tmp_path):
   """The device benchmark script runs end to end (tiny shapes, kernels interpreted)."""
   script = pathlib.Path(__file__).parents[1] / "examples" / "bench_kernels_device.py"

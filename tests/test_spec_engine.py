@@ -66,10 +66,9 @@ def engines(tiny_model, drafts) -> dict:
                          speculative_config=spec_config(m, drafts)) for m in METHODS}
 
 
-# The draft-model cases and the heavier tests below are slow-tier: n-gram keeps the verify step in
-# the quick loop.
-@pytest.mark.parametrize("method", ["ngram"] + [pytest.param(m, marks=pytest.mark.slow)
-                                                for m in METHODS if m != "ngram"])
+# Slow-tier: the tests below keep the verify step in the quick loop.
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
 def test_greedy_output_is_the_same_as_without_speculation(engines, baseline, method):
   prompts = prefix_sharing_prompts()
   want = _run(baseline, prompts, GREEDY)
