@@ -9,12 +9,16 @@ from jinfer.serving.options import ServerOptions
 from jinfer.weights.loader import DEFAULT_MODEL
 
 
-def _engine(args, warmup: bool = False):
+def _engine(args):
   from jinfer.engine.engine import LLMEngine
   from jinfer.engine.engine_config import EngineConfig
-  # One-shot commands compile lazily: warming every bucket costs more than it saves here.
-  return LLMEngine(args.model, config=EngineConfig(max_model_len=args.max_model_len),
-                   warmup=warmup)
+  # One-shot commands compile lazily: warming every bucket costs more than it saves here. The
+  # one-token step is compiled up front all the same: lazily, its progress line would land in
+  # the middle of the answer being streamed.
+  engine = LLMEngine(args.model, config=EngineConfig(max_model_len=args.max_model_len),
+                     warmup=False)
+  engine.runner.warmup(buckets=(1,))
+  return engine
 
 
 def _params(args):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Callable
+from typing import Callable, Collection
 
 import jax
 import jax.numpy as jnp
@@ -213,12 +213,16 @@ class ModelRunner:
       self._multiprocess = False
 
   def warmup(self, with_prompt_logprobs: bool = False,
-             empty_drafts: Callable[[int], Drafts | None] = lambda s: None) -> float:
-    """Compile every bucket by running an all-padding step of each shape; returns seconds.
-    `empty_drafts(S)`: stand-in device drafts for verify steps, when a device proposer has them."""
+             empty_drafts: Callable[[int], Drafts | None] = lambda s: None,
+             buckets: Collection[int] | None = None) -> float:
+    """Compile every bucket (or those of `buckets` tokens) by running an all-padding step of
+    each shape; returns seconds. `empty_drafts(S)`: stand-in device drafts for verify steps,
+    when a device proposer has them."""
     t0 = time.monotonic()
     b = self.buckets
     for t, prompt_lp, verify in b.shapes(with_prompt_logprobs):
+      if buckets is not None and t not in buckets:
+        continue
       self.run(to_step_input(empty_step_input(b, t, prompt_lp, verify), b),
                empty_drafts(b.num_seqs(t)) if verify else None)
     return time.monotonic() - t0
