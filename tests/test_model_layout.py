@@ -90,10 +90,10 @@ def test_quantized_weights_are_a_leaf_type_with_per_layer_channels():
   params = _params()
   kernels = linear_kernels(CONFIG)
   # [L, Hq, D, E]: 2 contract
-  assert kernels["layers"]["attn"]["o_proj"]["kernel"] == (2, 1, False)
-  assert kernels["layers"]["mlp"]["up_proj"]["kernel"] == (1, 1, False)
+  assert kernels["layers"]["attn"]["o_proj"]["kernel"] == (2, 1, False, False)
+  assert kernels["layers"]["mlp"]["up_proj"]["kernel"] == (1, 1, False, False)
   # Tied: the embedding [V, E] is the LM head's kernel, contracted over its last axis.
-  assert kernels["embedding"] == (1, 1, True)
+  assert kernels["embedding"] == (1, 1, True, True)
   assert kernels["layers"]["input_norm"]["scale"] is None
   q = quantize_params(params, kernels)
   o = q["layers"]["attn"]["o_proj"]["kernel"]
@@ -121,6 +121,25 @@ def test_quantized_weights_are_a_leaf_type_with_per_layer_channels():
   # differ in the last bit, which can move a digit by one step.
   np.testing.assert_allclose(got[0], got[1], atol=1e-4, rtol=1e-4)
   assert np.abs(got[0] - want).max() < 0.05 * np.abs(want).max()
+
+
+def test_quantized_kernels_stored_outputs_first_give_the_same_logits():
+  """`linear_kernels(..., transposed=True)` (the CPU's layout) stores the same int8 values
+  `[L, out..., in...]`; the model reads either layout to the same logits."""
+  params = _params()
+  kernels = linear_kernels(CONFIG, transposed=True)
+  assert kernels["layers"]["attn"]["o_proj"]["kernel"] == (2, 1, False, True)
+  plain, flipped = quantize_params(params, linear_kernels(CONFIG)), quantize_params(params, kernels)
+  a, b = plain["layers"]["attn"]["o_proj"]["kernel"], flipped["layers"]["attn"]["o_proj"]["kernel"]
+  assert b.transposed and b.values.shape == (3, CONFIG.hidden_size, 4, 8)  # [L, E, Hq, D]
+  np.testing.assert_array_equal(b.values, jnp.moveaxis(a.values, 3, 1))
+  np.testing.assert_array_equal(b.scale, a.scale)
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(0, 128, n).tolist() for n in (9, 1)]
+  logits = [PagedBatch(CausalLM(CONFIG, KernelOptions(quantization="int8", int8_transposed=f)),
+                       p, 2, 4, 40).step(prompts) for f, p in ((False, plain), (True, flipped))]
+  assert np.isfinite(logits[0]).all()
+  np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape, n_in", [((32, 48), 1), ((4, 8, 32), 2)])

@@ -135,10 +135,10 @@ class LLMEngine:
                             par.enable_expert_parallel)
       run_config, params = duplicate_kv_heads(model_config, params, par.tensor_parallel_size)
       mesh = make_mesh(par, devices)
-    if config.quantization:
-      params = quantize_params(params, linear_kernels(run_config))
     # One device gets no mesh in the kernels: attention skips the per-shard wrapper.
     kernels = config.kernel_options(mesh if par.is_parallel else None)
+    if config.quantization:
+      params = quantize_params(params, linear_kernels(run_config, kernels.int8_transposed))
     if spec is not None and spec.method == "medusa":
       self.proposer = MedusaProposer.load(spec, run_config, params, kernels, dtype)
     self.runner = ModelRunner(run_config, params, config.kv_spec(run_config, dtype),

@@ -158,8 +158,9 @@ class EngineConfig:
                        head_dim=model.head_dim, dtype=dtype)
 
   def kernel_options(self, mesh: Mesh | None = None) -> KernelOptions:
+    matmul = self.matmul_backend or _default_matmul_backend()
     return KernelOptions(attention=self.attention_backend or default_backend(),
-                         matmul=self.matmul_backend or _default_matmul_backend(),
+                         matmul=matmul, int8_transposed=matmul == "xla" and mesh is None,
                          grouped_matmul=(self.grouped_matmul_backend
                                          or default_grouped_matmul_backend()),
                          interpret=self.interpret, quantization=self.quantization, mesh=mesh,

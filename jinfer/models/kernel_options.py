@@ -17,6 +17,10 @@ class KernelOptions:
   # None: float weights. "int8": int8 weights with per-output-channel scales, float activations
   # (W8A16). "w8a8": activations quantized per token too, int32 accumulation.
   quantization: str | None = None
+  # Quantized linear kernels stored outputs first, `[out..., in...]`: XLA:CPU's integer GEMM
+  # reads that layout faster at a few rows (one SmolLM2 stack at 2 rows: ~17 -> ~13 ms on a
+  # 2-core box; the same at 64). Set where the "xla" matmul runs on one device.
+  int8_transposed: bool = False
   # Devices the model runs over: attention runs per shard of this `(context, tensor)` mesh (see
   # jinfer/parallel/attention.py); None is one device.
   mesh: Mesh | None = None

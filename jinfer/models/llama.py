@@ -75,20 +75,23 @@ class Linear(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     out_shape = self.shape[self.n_in:]
     n_out = len(out_shape)
+    flip = self.kernels.int8_transposed
     if self.kernels.quantization:
-      init = lambda _, shape, dtype: QArray(values=jnp.zeros(shape, jnp.int8),
-                                            scale=jnp.ones(shape[self.n_in:], jnp.float32),
-                                            n_in=self.n_in, n_out=n_out)
+      init = lambda _, shape, dtype: QArray(
+          values=jnp.zeros(out_shape + shape[:self.n_in] if flip else shape, jnp.int8),
+          scale=jnp.ones(out_shape, jnp.float32), n_in=self.n_in, n_out=n_out, transposed=flip)
     else:
       init = _init
     w = self.param("kernel", lambda *a: LinearKernel(init(*a), self.axes, n_in=self.n_in,
-                                                     n_out=n_out), self.shape, self.dtype)
+                                                     n_out=n_out, reads_transposed=True),
+                   self.shape, self.dtype)
     if isinstance(w, QArray):
       k, n = int(np.prod(self.shape[:self.n_in])), int(np.prod(out_shape))
       lead = x.shape[:x.ndim - self.n_in]
-      y = int8_matmul(x.reshape(-1, k), w.values.reshape(k, n), w.scale.reshape(n),
-                      mode=self.kernels.matmul_mode, backend=self.kernels.matmul,
-                      interpret=self.kernels.interpret).reshape(lead + out_shape)
+      y = int8_matmul(x.reshape(-1, k), w.values.reshape((n, k) if w.transposed else (k, n)),
+                      w.scale.reshape(n), mode=self.kernels.matmul_mode,
+                      backend=self.kernels.matmul, interpret=self.kernels.interpret,
+                      transpose_w=w.transposed).reshape(lead + out_shape)
     else:
       y = _float_matmul(x, w.astype(x.dtype), self.n_in, one_device=self.kernels.mesh is None)
     if self.use_bias:
@@ -395,11 +398,15 @@ def logical_axes(config: ModelConfig) -> dict:
   return jax.tree.map(lambda b: b.names, _abstract_params(config), is_leaf=_is_box)
 
 
-def linear_kernels(config: ModelConfig) -> dict:
+def linear_kernels(config: ModelConfig, transposed: bool = False) -> dict:
   """The params tree with each linear kernel (a tied embedding included) replaced by its
-  `(n_in, n_out, transposed)`, other leaves by None: what the quantizer reads."""
-  return jax.tree.map(lambda b: (b.n_in, b.n_out, b.transposed) if isinstance(b, LinearKernel)
-                      else None,
+  `(n_in, n_out, transposed, store_transposed)`, other leaves by None: what the quantizer reads.
+
+  `transposed` stores every quantized kernel that its layer can read so outputs first, as
+  `KernelOptions.int8_transposed` says (the tied embedding is stored so anyway)."""
+  return jax.tree.map(lambda b: (b.n_in, b.n_out, b.transposed,
+                                 b.transposed or (transposed and b.reads_transposed))
+                      if isinstance(b, LinearKernel) else None,
                       _abstract_params(config), is_leaf=_is_box)
 
 

@@ -13,10 +13,12 @@ default_init = nn.initializers.normal(0.02)
 class LinearKernel(nn.LogicallyPartitioned):
   """A linear layer's kernel box: logical names plus how many leading (after any stacked
   `layers`/`expert` axes) axes contract with the input and how many are outputs, and whether
-  the outputs come first (a tied embedding `[vocab, embed]` as the LM head's kernel)."""
+  the outputs come first (a tied embedding `[vocab, embed]` as the LM head's kernel), and whether
+  the layer also reads its quantized values stored outputs first (`linear_kernels`)."""
   n_in: int = struct.field(pytree_node=False, default=1)
   n_out: int = struct.field(pytree_node=False, default=1)
   transposed: bool = struct.field(pytree_node=False, default=False)
+  reads_transposed: bool = struct.field(pytree_node=False, default=False)
 
 
 def param(mod: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], dtype,

@@ -3,7 +3,8 @@
 A `QArray` holds int8 values (room for int4 later), one float32 scale per output channel, and how
 many of its axes contract with the input. Values are laid out `[lead..., in..., out...]`, or
 `[lead..., out..., in...]` when `transposed` (a tied embedding `[vocab, embed]`, which the LM
-head contracts over its last axis). Any leading axes (a stacked `layers` axis, an `expert`
+head contracts over its last axis; on the CPU every linear kernel, see
+`KernelOptions.int8_transposed`). Any leading axes (a stacked `layers` axis, an `expert`
 axis) are batch axes: every layer's and every expert's channels get their own scales, so nothing
 is ever mixed across them. Which weights quantize, and over which axes, comes from what each
 linear layer declares about its kernel (`LinearKernel` boxes, see `jinfer/models/params.py`), never
@@ -36,27 +37,28 @@ class QArray:
     return self.values.nbytes + self.scale.nbytes
 
 
-def quantize(w: jax.Array, n_in: int, n_out: int, transposed: bool = False) -> QArray:
+def quantize(w: jax.Array, n_in: int, n_out: int, transposed: bool = False,
+             store_transposed: bool | None = None) -> QArray:
   """Per-output-channel symmetric int8 over the `n_in` contracting axes of w
-  `[lead..., in..., out...]` (`[lead..., out..., in...]` when `transposed`)."""
+  `[lead..., in..., out...]` (`[lead..., out..., in...]` when `transposed`). The values keep
+  w's layout unless `store_transposed` says which to store."""
+  store = transposed if store_transposed is None else store_transposed
   lead = w.shape[:w.ndim - n_in - n_out]
   first, second = w.shape[len(lead):len(lead) + (n_out if transposed else n_in)], \
       w.shape[len(lead) + (n_out if transposed else n_in):]
   ins, outs = (second, first) if transposed else (first, second)
   k, n = int(np.prod(ins)), int(np.prod(outs))
   flat = jnp.asarray(w, jnp.float32).reshape((-1, n, k) if transposed else (-1, k, n))
-  if transposed:  # quantize [B, K, N] views, store [B, N, K]
-    q, scale = jax.vmap(quantize_per_channel)(flat.swapaxes(1, 2))
-    q = q.swapaxes(1, 2)
-  else:
-    q, scale = jax.vmap(quantize_per_channel)(flat)  # [B, K, N] int8, [B, N]
-  return QArray(values=q.reshape(w.shape), scale=scale.reshape(lead + outs), n_in=n_in,
-                n_out=n_out, transposed=transposed)
+  q, scale = jax.vmap(quantize_per_channel)(flat.swapaxes(1, 2) if transposed else flat)
+  q = q.swapaxes(1, 2) if store else q  # [B, K, N] int8 -> as stored; scale [B, N]
+  return QArray(values=q.reshape(lead + (outs + ins if store else ins + outs)),
+                scale=scale.reshape(lead + outs), n_in=n_in, n_out=n_out, transposed=store)
 
 
 def quantize_params(params: dict, kernels: dict) -> dict:
   """Quantize every leaf that `kernels` (the params tree with each linear kernel's
-  `(n_in, n_out, transposed)`, None elsewhere) marks as a linear layer's kernel."""
+  `(n_in, n_out, transposed[, store_transposed])`, None elsewhere, see `linear_kernels`) marks as
+  a linear layer's kernel."""
   return jax.tree.map(lambda w, k: w if k is None else quantize(w, *k), params, kernels,
                       is_leaf=lambda x: x is None)
 
