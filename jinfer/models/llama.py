@@ -75,8 +75,8 @@ class Linear(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     out_shape = self.shape[self.n_in:]
     n_out = len(out_shape)
-    flip = self.kernels.int8_transposed
     if self.kernels.quantization:
+      flip = self.kernels.int8_transposed
       init = lambda _, shape, dtype: QArray(
           values=jnp.zeros(out_shape + shape[:self.n_in] if flip else shape, jnp.int8),
           scale=jnp.ones(out_shape, jnp.float32), n_in=self.n_in, n_out=n_out, transposed=flip)
