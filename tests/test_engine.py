@@ -46,7 +46,7 @@ def test_greedy_output_same_alone_and_in_a_batch(engine):
 
 @pytest.mark.slow
 def test_prefix_cache_skips_shared_prompt_and_keeps_output(loaded):
-  eng = make_engine(loaded, max_model_len=256, page_size=8, max_num_seqs=8,
+  eng = make_engine(loaded, warmup=False, max_model_len=256, page_size=8, max_num_seqs=8,
                     max_num_batched_tokens=64)
   system = _prompts(1, seed=3, lo=96, hi=97)[0]
   prompts = [system + q for q in _prompts(4, seed=4, lo=5, hi=9)]
@@ -57,7 +57,7 @@ def test_prefix_cache_skips_shared_prompt_and_keeps_output(loaded):
   # The 96-token system prompt is 12 full pages: only the question tails are computed.
   assert computed <= sum(len(p) - 96 for p in prompts[1:]) + 3 * 8
   assert eng.stats().prefix_hit_rate > 0.5
-  cold = make_engine(loaded, max_model_len=256, page_size=8, max_num_seqs=8,
+  cold = make_engine(loaded, warmup=False, max_model_len=256, page_size=8, max_num_seqs=8,
                      max_num_batched_tokens=64, enable_prefix_caching=False)
   assert _run(cold, prompts, GREEDY) == first + rest
 
@@ -118,7 +118,7 @@ def test_no_compiles_after_warmup(loaded):
 
 @pytest.mark.slow
 def test_n_samples_share_prompt_pages(loaded):
-  eng = make_engine(loaded, max_model_len=256, page_size=8, max_num_seqs=8,
+  eng = make_engine(loaded, warmup=False, max_model_len=256, page_size=8, max_num_seqs=8,
                     max_num_batched_tokens=64)
   prompt = _prompts(1, seed=11, lo=64, hi=65)[0]
   rid = eng.add_request(None, prompt, SamplingParams(n=3, temperature=8.0, seed=5, max_tokens=8))
@@ -244,8 +244,8 @@ def test_prompt_logprobs_match_the_model(loaded):
 @pytest.mark.slow
 def test_static_batching_waits_for_the_whole_batch(loaded):
   # 3 sequences of max_model_len (8 pages each) fit in 25 usable pages: batches of 3.
-  eng = make_engine(loaded, max_model_len=64, page_size=8, num_pages=26, max_num_seqs=8,
-                    max_num_batched_tokens=32, continuous_batching=False)
+  eng = make_engine(loaded, warmup=False, max_model_len=64, page_size=8, num_pages=26,
+                    max_num_seqs=8, max_num_batched_tokens=32, continuous_batching=False)
   params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (2, 9, 4, 3)]
   rids = [eng.add_request(None, p, sp) for p, sp in zip(_prompts(4, seed=15, lo=5, hi=20), params)]
   batches = []
@@ -262,7 +262,7 @@ def test_static_batching_waits_for_the_whole_batch(loaded):
 def test_a_failed_step_fails_its_requests_and_the_engine_recovers(loaded):
   """A step that raises after XLA consumed the donated cache: the requests it ran fail, the
   cache is rebuilt, what was cached is forgotten, and the rest run as if nothing happened."""
-  eng = make_engine(loaded, max_model_len=256, page_size=8, max_num_seqs=2,
+  eng = make_engine(loaded, warmup=False, max_model_len=256, page_size=8, max_num_seqs=2,
                     max_num_batched_tokens=256)
   prompts = _prompts(3, seed=11)
   want = _run(eng, prompts, GREEDY)  # also leaves their pages in the prefix cache
