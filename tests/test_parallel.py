@@ -253,7 +253,8 @@ def test_data_parallel_routes_by_prefix_and_load(params):
 
 @pytest.mark.slow
 def test_async_engine_serves_data_parallel_ranks(params, reference):
-  """The server's engine loop drives the DP front end like one engine."""
+  """The server's engine loop drives the DP front end like one engine: DP 2's outputs are one
+  device's."""
   import asyncio
   from jinfer.engine.async_engine import AsyncLLMEngine, collect
   engine = _engine(params, data_parallel_size=2)
