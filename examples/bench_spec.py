@@ -13,7 +13,8 @@ requests one after another). The engines share the target's weights and are all 
 first; every repetition runs every (batch, workload) on each engine back to back, so a load
 change on a shared machine hits all alike, and medians over --repeats are reported. Acceptance
 and mean tokens per step are set against E = (1 - alpha^(k+1)) / (1 - alpha); for Medusa the
-acceptance per position is each head's (how often its depth was accepted once reached).
+acceptance per position is each head's (how often its depth was accepted once reached), and a
+tree's E is also estimated from the heads' held-back hit rates (`expected_tokens_per_step_tree`).
 
     python examples/bench_spec.py --out bench_spec.json
     python examples/bench_spec.py --methods off medusa_chain medusa_tree --batches 1 8 \
@@ -40,7 +41,8 @@ from jinfer.bench.offline import RandomWorkload  # noqa: E402
 from jinfer.engine.engine import LLMEngine  # noqa: E402
 from jinfer.engine.engine_config import EngineConfig  # noqa: E402
 from jinfer.sampling_params import SamplingParams  # noqa: E402
-from jinfer.spec.tree import chain_choices  # noqa: E402
+from jinfer.spec.medusa_heads import heads_meta  # noqa: E402
+from jinfer.spec.tree import chain_choices, expected_length  # noqa: E402
 from jinfer.weights.loader import DEFAULT_MODEL, load_model  # noqa: E402
 
 CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -167,6 +169,10 @@ def main():
       s.update({k: float(np.median([r["spec"][k] for r in rs])) for k in keys})
       s["acceptance_per_position"] = np.median(
           [r["spec"]["acceptance_per_position"] for r in rs], axis=0).tolist()
+    tree = engines[m].config.speculative_config.tree() if specs[m] else None
+    hits = heads_meta(args.medusa).get("rank_hits") if tree else None
+    if hits:  # a tree's E from the heads' held-back hit rates, beside the one measured
+      s["expected_tokens_per_step_tree"] = expected_length(tree.choices, hits)
     summary.append(s)
   report["summary"] = summary
   emit(report, args.out)

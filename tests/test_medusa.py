@@ -22,7 +22,8 @@ from jinfer.sampling_params import SamplingParams
 from jinfer.spec import medusa_heads as mh
 from jinfer.spec.config import SpeculativeConfig
 from jinfer.spec.medusa import keep_path
-from jinfer.spec.tree import Tree, best_choices, chain_choices, default_choices
+from jinfer.spec.tree import (Tree, best_choices, chain_choices, default_choices,
+                              expected_length)
 from pallas_kernels import AttentionMetadata, KVCacheSpec
 from tests.engine_fixtures import (CompileCounter, assert_batch_matches, make_engine,
                                    prefix_sharing_prompts, random_prompts, run_tokens)
@@ -57,6 +58,9 @@ def test_best_tree_keeps_the_likeliest_paths():
     Tree.of(best_choices(hits, n), num_heads=2)
   assert default_choices(3, num_nodes=6)[0] == (0,)
   assert chain_choices(3) == [(0,), (0, 0), (0, 0, 0)]
+  assert expected_length(got, hits) == pytest.approx(1 + 0.6 + 0.24 + 0.2 + 0.1 + 0.08)
+  # the best tree of n nodes is expected to yield the most of any n-node tree tried
+  assert expected_length(got, hits) > expected_length([(0,), (0, 0), (0, 1), (1,), (2,)], hits)
 
 
 # -- tree rows in the model -------------------------------------------------------------------

@@ -117,6 +117,14 @@ def best_choices(rank_hits: Sequence[Sequence[float]], num_nodes: int) -> list[t
   return out
 
 
+def expected_length(choices: Sequence[Sequence[int]],
+                    rank_hits: Sequence[Sequence[float]]) -> float:
+  """Tokens a step is expected to yield with this tree, the target's own token included: one
+  plus each path's chance of being accepted in full (the product of its hit rates), taking the
+  heads' guesses as independent, as `best_choices` does."""
+  return 1.0 + sum(float(np.prod([rank_hits[d][c] for d, c in enumerate(p)])) for p in choices)
+
+
 def default_choices(num_heads: int, rank_hits: Sequence[Sequence[float]] | None = None,
                     num_nodes: int = 10) -> list[tuple[int, ...]]:
   """The tree used when none is given: the best `num_nodes` paths for the heads' measured
