@@ -92,6 +92,8 @@ def main():
   ap.add_argument("--ngram", default="2,4", help="prompt_lookup_min,max")
   ap.add_argument("--disable-by-batch-size", type=int, default=None,
                   help="speculate only in steps of at most this many sequences")
+  ap.add_argument("--min-accepted-per-step", type=float, default=None,
+                  help="pause a sequence's speculation while its drafts keep failing")
   ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
   ap.add_argument("--workloads", nargs="+", default=["chat", "random"])
   ap.add_argument("--methods", nargs="+", default=["off", "ngram", "draft"],
@@ -121,6 +123,8 @@ def main():
   for spec in specs.values():
     if spec is not None and args.disable_by_batch_size is not None:
       spec["disable_by_batch_size"] = args.disable_by_batch_size
+    if spec is not None and args.min_accepted_per_step is not None:
+      spec["min_accepted_per_step"] = args.min_accepted_per_step
   # 40 pages a sequence, and at least one whole max_model_len sequence (64 pages)
   base = EngineConfig(max_model_len=1024, max_num_seqs=max(args.batches),
                       max_num_batched_tokens=512, num_pages=1 + max(max(args.batches) * 40, 64),

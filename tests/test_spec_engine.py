@@ -10,7 +10,9 @@ import pytest
 
 from jinfer.accept import VerifyTensors
 from jinfer.engine.engine_config import EngineConfig
+from jinfer.engine.request import RequestMetrics, Sequence
 from jinfer.sampling_params import SamplingParams
+from jinfer.spec import pause
 from jinfer.spec.draft_model import _sample_draft
 from jinfer.spec.ngram import lookup
 from tests.engine_fixtures import (CompileCounter, assert_batch_matches, make_engine,
@@ -126,6 +128,43 @@ def test_seeded_sampling_independent_of_the_batch(spec_engine):
   assert spec_engine.stats().spec.num_draft_tokens > 0
 
 
+def test_failing_drafts_pause_a_sequence():
+  """The moving average of accepted drafts: ~6 failed verify steps pause a sequence at k = 3
+  and min_accepted_per_step = 0.5, for PAUSE_TOKENS tokens; a good try lifts it again."""
+  seq = Sequence(seq_id="s", group_id="s", index=0, prompt_token_ids=[1] * 10,
+                 params=GREEDY, seed=0, metrics=RequestMetrics(arrival_time=0.0))
+  failed = 0
+  while not pause.paused(seq):
+    pause.after_verify(seq, K, 0, 0.5)
+    failed += 1
+    seq.output_token_ids.append(1)  # a failed step still yields the target's token
+  assert failed == 6 and seq.paused_until == seq.num_tokens + pause.PAUSE_TOKENS
+  seq.output_token_ids += [1] * pause.PAUSE_TOKENS
+  assert not pause.paused(seq)
+  pause.after_verify(seq, K, K, 0.5)  # all three accepted: 0.3 * 3 lifts the average over 0.5
+  assert seq.accepted_avg >= 0.5 and seq.paused_until <= seq.num_tokens
+
+
+@pytest.mark.slow
+def test_paused_speculation_tries_again_and_keeps_the_output(tiny_model, drafts, baseline,
+                                                             spec_engine):
+  """The engine asks a paused sequence for no drafts until it has PAUSE_TOKENS more tokens. A
+  threshold above k pauses after every verify step: one try per 4 + 16 tokens, same tokens."""
+  prompt = _prompts(1, seed=5)[0]
+  params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+  want = _run(baseline, [prompt], params)
+  pausing = make_engine(tiny_model, warmup=False, **SMALL, speculative_config={
+      **spec_config("other", drafts), "min_accepted_per_step": K + 0.5})
+  verified = {}
+  for name, eng in (("always", spec_engine), ("pausing", pausing)):
+    before = eng.stats().spec
+    assert _run(eng, [prompt], params) == want
+    verified[name] = eng.stats().spec.since(before).num_verified
+  assert verified["always"] >= 11  # the tiny draft agrees here: 4 tokens a step
+  assert verified["pausing"] == 3, verified  # at tokens 1, 21 and 41 of 48
+  _no_leaks(pausing)
+
+
 @pytest.mark.slow
 def test_random_aborts_during_speculation_leak_no_pages(spec_engine):
   rng = np.random.default_rng(6)
@@ -189,6 +228,8 @@ def test_ngram_lookup():
     ({"method": "ngram", "num_speculative_tokens": 2, "k": 3}, "unknown key 'k'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
      "disable_by_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "min_accepted_per_step": -1},
+     "min_accepted_per_step must be a number >= 0"),
     ("{not json", "not valid JSON"), ("[1, 2]", "must be a dict"),
 ])
 def test_a_bad_speculative_config_is_refused_when_made(config, says):

@@ -27,6 +27,7 @@ from jinfer.sample import SampleOutput
 from jinfer.sampling_params import SamplingParams
 from jinfer.spec.medusa import MedusaProposer
 from jinfer.spec.ngram import NgramProposer
+from jinfer.spec.pause import after_verify, paused
 from jinfer.spec.proposer import Proposer
 from jinfer.spec.stats import SpecStats
 from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -302,6 +303,9 @@ class LLMEngine:
         self.spec_stats.record(self.proposer.depth(m), a)
         self.proposer.on_verified(seq, m, a,
                                   None if res.proposals is None else res.proposals[i])
+        spec = self.config.speculative_config
+        if m and spec.min_accepted_per_step is not None:
+          after_verify(seq, spec.num_speculative_tokens, a, spec.min_accepted_per_step)
       kept = 0
       try:
         if res.num_accepted is None:
@@ -337,10 +341,10 @@ class LLMEngine:
   def _lookahead(self, seq: Sequence) -> int:
     """Draft rows `seq` may verify this step: k (or a tree's nodes), fewer near its token limits
     (a step yields up to depth + 1 tokens, and each row takes a slot), none while the running
-    batch is too large for speculation to pay."""
+    batch is too large for speculation to pay or while the sequence's drafts keep failing."""
     spec = self.config.speculative_config
     if (spec.disable_by_batch_size is not None
-        and len(self.scheduler.running) > spec.disable_by_batch_size):
+        and len(self.scheduler.running) > spec.disable_by_batch_size) or paused(seq):
       return 0
     p = seq.params
     max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len

@@ -73,6 +73,10 @@ class Sequence:
   # tokens (stale once the sequence has more or fewer).
   candidates: object = None
   candidates_at: int = -1
+  # Speculation's pause (`jinfer/spec/pause.py`): the moving average of drafts accepted per
+  # verify step, and the length below which the sequence does not speculate.
+  accepted_avg: float | None = None
+  paused_until: int = 0
   status: Status = Status.WAITING
   finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
   stop_reason: int | str | None = None

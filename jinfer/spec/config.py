@@ -41,6 +41,11 @@ class SpeculativeConfig:
   # Verifying k+1 rows per sequence pays where a step's cost hardly grows with its rows (one
   # sequence, a memory-bound accelerator); on a compute-bound one a large batch loses.
   disable_by_batch_size: int | None = None
+  # Speculate for a sequence only while the moving average of the drafts it gets accepted per
+  # verify step stays at or above this (None: always). Below it, the sequence decodes plainly
+  # for a while and then tries again (`jinfer/spec/pause.py`): where its text defeats the
+  # proposer, it pays little more than the proposer's upkeep instead of a verify step's cost.
+  min_accepted_per_step: float | None = None
   # medusa: the candidate tree, as paths of per-head candidate indices (Medusa's
   # `medusa_choices`); None: the best tree of `default_tree_nodes()` nodes for the heads'
   # measured accuracy (see `jinfer/spec/tree.py`).
@@ -104,6 +109,10 @@ class SpeculativeConfig:
           raise ValueError(f"speculative_config: {name} is for method 'medusa'")
     if self.disable_by_batch_size is not None:
       _int("disable_by_batch_size", self.disable_by_batch_size, 1)
+    v = self.min_accepted_per_step
+    if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or v < 0):
+      raise ValueError(f"speculative_config: min_accepted_per_step must be a number >= 0, "
+                       f"got {v!r}")
 
   @classmethod
   def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str") -> "SpeculativeConfig":
