@@ -2,13 +2,13 @@
 
 A verify step costs more than a plain one (on a CPU a 4-row step ~1.3-1.9x a 1-row step), so a
 sequence whose proposer guesses badly (a draft model or heads on text unlike what they were
-trained on) decodes slower with speculation than without. Each
-sequence keeps a moving average of the drafts accepted per verify step; when it falls below
-`min_accepted_per_step`, the sequence decodes plainly for its next `PAUSE_TOKENS` tokens,
-then verifies once more, and its average decides again. The average starts at k (a sequence
-is trusted at first: at k = 3 and a threshold of 0.5, six failed verify steps pause it). The decision reads only the
-sequence's own history, so its output does not depend on the batch; greedy output is the same
-as ever (speculation never changes it).
+trained on) decodes slower with speculation than without. Each sequence keeps a moving average
+of the drafts accepted per verify step; when it falls below `min_accepted_per_step`, the
+sequence decodes plainly for its next `PAUSE_TOKENS` tokens, then verifies once more, and its
+average decides again. The average starts at k (a sequence is trusted at first: at k = 3 and a
+threshold of 0.5, six failed verify steps pause it). The decision reads only the sequence's own
+history, so its output does not depend on the batch; greedy output is the same as ever
+(speculation never changes it).
 """
 from __future__ import annotations
 
