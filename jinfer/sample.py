@@ -60,12 +60,11 @@ def penalize(logits: jax.Array, st: SamplingTensors) -> jax.Array:
   return logits - st.presence_penalty[:, None] * (out_counts > 0)
 
 
-def row_keys(st: SamplingTensors, stream: int | None = None) -> jax.Array:  # [S] keys
-  """Each row's key for the token at position `gen_idx`: `fold_in(key(seed), gen_idx)`, the
-  sampler's own draw. Speculative decoding takes further independent draws for the same token
-  from numbered streams of that key (its acceptance test, the draft's proposal)."""
-  keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(st.seeds, st.gen_idx)
-  return keys if stream is None else jax.vmap(lambda k: jax.random.fold_in(k, stream))(keys)
+def row_keys(st: SamplingTensors) -> jax.Array:  # [S] keys
+  """Each row's key for the token at position `gen_idx`: `fold_in(key(seed), gen_idx)`. The
+  only random number a token ever takes: speculation draws its tokens with it too."""
+  return jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(st.seeds,
+                                                                             st.gen_idx)
 
 
 def filter_sorted(x: jax.Array, st: SamplingTensors) -> tuple[jax.Array, jax.Array]:

@@ -1,6 +1,6 @@
-"""The acceptance rule on fixed distributions: greedy prefix matching, exactness of rejection
-sampling (chi-squared against the target's exact law), and a wrong rule that the same test
-catches."""
+"""The acceptance rule on fixed distributions: greedy prefix matching; sampled speculation emits
+the very tokens plain sampling emits, whatever the drafts and however many, and so keeps the
+target's exact law (chi-squared), which a rule that reuses a key fails."""
 from __future__ import annotations
 
 import functools
@@ -13,8 +13,9 @@ import pytest
 from scipy import stats
 
 from jinfer import accept as accept_mod
-from jinfer.accept import DraftProbs, VerifyTensors, accept
+from jinfer.accept import VerifyTensors, accept
 from jinfer.sample import SamplingTensors, sample
+from jinfer.spec.tree import Tree
 
 V, K = 4, 2  # live vocabulary and drafts per step: the first K+1 tokens have V**(K+1) outcomes
 PAD = 24  # the model's vocabulary: tokens V.. never come out (top-N logprobs need >= 20)
@@ -61,18 +62,20 @@ def filtered(p: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
   return out
 
 
-_accept = jax.jit(accept)
+_accept = jax.jit(functools.partial(accept, tree=Tree.chain(K)))
 
 
-def speculate(target: np.ndarray, draft: np.ndarray, n: int, run=_accept, **params) -> np.ndarray:
-  """Generate K+1 tokens for n sequences from token 0, each step drafting a random number (0..K)
-  of tokens from `draft`'s Markov chain and verifying them against `target`'s. [n, K+1]"""
+def speculate(target: np.ndarray, draft: np.ndarray, n: int, run=_accept, max_drafts: int = K,
+              **params) -> np.ndarray:
+  """Generate K+1 tokens for n sequences from token 0, each step drafting a random number
+  (0..max_drafts) of tokens from `draft`'s Markov chain and verifying them against `target`'s.
+  [n, K+1]"""
   rng = np.random.default_rng(1)
   out = np.zeros((n, K + 1), np.int64)
   done = np.zeros(n, np.int64)
   while (done < K + 1).any():
     last = np.where(done > 0, out[np.arange(n), np.maximum(done - 1, 0)], 0)
-    m = rng.integers(0, K + 1, n)
+    m = rng.integers(0, max_drafts + 1, n)
     chain = np.zeros((n, K + 1), np.int64)
     chain[:, 0] = last
     for i in range(1, K + 1):  # d_i ~ q(. | d_{i-1})
@@ -80,10 +83,8 @@ def speculate(target: np.ndarray, draft: np.ndarray, n: int, run=_accept, **para
       chain[:, i] = np.minimum((rng.random(n)[:, None] > cdf).sum(1), V - 1)
     logits = np.full((n * (K + 1), PAD), -1e9, np.float32)
     logits[:, :V] = np.log(target[chain]).reshape(n * (K + 1), V)
-    q = draft[chain[:, :K]]  # [n, K, V]: the law each d_i was drawn from
     res = run(jnp.asarray(logits, jnp.float32), tensors(n, done, **params),
-              chain_tensors(chain[:, 1:], m),
-              DraftProbs(probs=jnp.asarray(q, jnp.float32), vocab=jnp.arange(V, dtype=jnp.int32)))
+              chain_tensors(chain[:, 1:], m))
     toks, a = np.asarray(res.sample.tokens), np.asarray(res.num_accepted)
     assert (a <= m).all()
     for s in np.nonzero(done < K + 1)[0]:
@@ -109,19 +110,26 @@ CASES = {"temperature 1": dict(), "top-k 3": dict(top_k=3), "top-p 0.8": dict(to
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_rejection_sampling_is_exact(case):
+def test_sampled_speculation_emits_the_samplers_tokens(case):
   target, draft = markov(0, 1.2), markov(7, 1.2)  # a draft that often disagrees
   params = CASES[case]
+  got = speculate(target, draft, N, **params)
+  # Token for token what sampling without drafts gives the same seeds ...
+  np.testing.assert_array_equal(got, speculate(target, draft, N, max_drafts=0, **params))
+  # ... and so distributed as the target's chain.
   p = filtered(target, params.get("top_k", V), params.get("top_p", 1.0))
-  assert joint_pvalue(speculate(target, draft, N, **params), p) > 1e-3
+  assert joint_pvalue(got, p) > 1e-3
 
 
 def test_a_wrong_rule_fails_the_same_test(monkeypatch):
-  # Drawing from p instead of the residual after a rejection over-weights what the draft guessed.
-  monkeypatch.setattr(accept_mod, "_residual", lambda p, q: p)
-  target, draft = markov(0, 1.2), markov(7, 1.2)
-  wrong = jax.jit(lambda *a: accept_mod.accept(*a))  # traced under the patch, kept apart
-  assert joint_pvalue(speculate(target, draft, N, run=wrong), target) < 1e-6
+  # Every row drawing with its step's first key (not its own position's) ties the tokens of a
+  # step together, where a draft was accepted.
+  real = accept_mod.row_tensors
+  monkeypatch.setattr(accept_mod, "row_tensors", lambda st, vt, *a, **kw: real(
+      st, vt, *a, **kw).replace(gen_idx=st.gen_idx[vt.row_seq]))
+  target = markov(0, 1.2)
+  wrong = jax.jit(functools.partial(accept_mod.accept, tree=Tree.chain(K)))  # traced patched
+  assert joint_pvalue(speculate(target, target, N, run=wrong), target) < 1e-6
 
 
 def test_greedy_takes_the_longest_matching_prefix():
@@ -129,8 +137,8 @@ def test_greedy_takes_the_longest_matching_prefix():
   argmax = np.array([[1, 2, 3], [1, 0, 3], [2, 2, 2]])
   logits[np.arange(3 * (K + 1)), argmax.reshape(-1)] = 5.0
   drafts = np.array([[1, 2], [1, 2], [1, 2]])
-  out = jax.jit(accept)(jnp.asarray(logits), tensors(3, [0, 0, 0], temperature=0.0),
-                        chain_tensors(drafts, np.array([2, 2, 1])), None)
+  out = _accept(jnp.asarray(logits), tensors(3, [0, 0, 0], temperature=0.0),
+                chain_tensors(drafts, np.array([2, 2, 1])))
   a = np.asarray(out.num_accepted)
   np.testing.assert_array_equal(a, [2, 1, 0])
   toks = np.asarray(out.sample.tokens)
@@ -147,7 +155,7 @@ def test_without_drafts_it_is_the_sampler():
                      row_seq=jnp.arange(s, dtype=jnp.int32), row_depth=jnp.zeros(s, jnp.int32),
                      chain=jnp.tile(jnp.arange(s, dtype=jnp.int32)[:, None], (1, K + 1)),
                      ban_rows=jnp.zeros(s, jnp.int32))
-  out = jax.jit(functools.partial(accept, draft=None))(jnp.asarray(logits), st, vt)
+  out = _accept(jnp.asarray(logits), st, vt)
   np.testing.assert_array_equal(np.asarray(out.sample.tokens[:, 0]), np.asarray(plain.tokens))
   np.testing.assert_allclose(np.asarray(out.sample.logprobs[:, 0]), np.asarray(plain.logprobs))
   np.testing.assert_array_equal(np.asarray(out.sample.top_ids[:, 0]), np.asarray(plain.top_ids))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from jinfer.accept import Typical, VerifyTensors, accept_tree
+from jinfer.accept import Typical, VerifyTensors, accept
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.models import CausalLM
 from jinfer.models.kernel_options import KernelOptions
@@ -26,7 +26,8 @@ from jinfer.spec.tree import (Tree, best_choices, chain_choices, default_choices
                               expected_length)
 from pallas_kernels import AttentionMetadata, KVCacheSpec
 from tests.engine_fixtures import (CompileCounter, assert_batch_matches, make_engine,
-                                   prefix_sharing_prompts, random_prompts, run_tokens)
+                                   prefix_sharing_prompts, random_prompts, run_tokens,
+                                   save_medusa_heads)
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]]
 
@@ -140,7 +141,7 @@ def test_tree_rows_equal_decoding_each_path_alone(tiny_model, attention):
 
 # -- the walk ---------------------------------------------------------------------------------
 def _walk(tree, logits_by_node, drafts, temperature=0.0, typical=None):
-  """accept_tree for one sequence whose rows are every node of `tree`."""
+  """accept for one sequence whose rows are every node of `tree`."""
   r = tree.num_nodes + 1
   v = logits_by_node.shape[1]
   vt = VerifyTensors(draft_tokens=jnp.asarray([drafts], jnp.int32),
@@ -154,8 +155,8 @@ def _walk(tree, logits_by_node, drafts, temperature=0.0, typical=None):
       seeds=jnp.zeros(1, jnp.uint32), gen_idx=jnp.zeros(1, jnp.int32),
       history=jnp.full((1, 4), -1, jnp.int32), prompt_lens=jnp.ones(1, jnp.int32),
       banned=jnp.full((1, 2), -1, jnp.int32), num_logprobs=jnp.zeros(1, jnp.int32))
-  out = jax.jit(accept_tree, static_argnums=(3, 4))(jnp.asarray(logits_by_node, jnp.float32),
-                                                     st, vt, tree, typical)
+  out = jax.jit(accept, static_argnums=(3, 4))(jnp.asarray(logits_by_node, jnp.float32), st, vt,
+                                                tree, typical)
   a = int(out.num_accepted[0])
   return np.asarray(out.sample.tokens[0, :a + 1]).tolist(), int(out.stop_row[0])
 
@@ -226,20 +227,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def heads(tiny_model, tmp_path_factory) -> dict[str, str]:
-  """Heads checkpoints for the tiny model: identity heads (zero blocks: their guess is the
-  model's next token again, which this model, repeating its last token, mostly confirms) and
-  random ones (nearly always wrong)."""
-  config = tiny_model[0]
-  meta = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
-  out = {}
-  for name, scale in (("identity", 0.0), ("random", 1.0)):
-    p = mh.init_heads(3, config.hidden_size)
-    key = jax.random.key(1)
-    p = {"w": jax.random.normal(key, p["w"].shape) * scale,
-         "b": jax.random.normal(jax.random.fold_in(key, 1), p["b"].shape) * 3 * scale}
-    out[name] = str(tmp_path_factory.mktemp(name))
-    mh.save_heads(out[name], p, meta)
-  return out
+  """Identity and random heads for the tiny model (see `save_medusa_heads`)."""
+  return {name: save_medusa_heads(tiny_model[0], str(tmp_path_factory.mktemp(name)), scale)
+          for name, scale in (("identity", 0.0), ("random", 1.0))}
 
 
 _prompts, _run = random_prompts, run_tokens

@@ -1,8 +1,9 @@
 """Speculative sampling is lossless, end to end: through the engine, with a random draft model
 that often disagrees with the target, the first k+1 tokens of thousands of seeded requests are
-distributed as without speculation (chi-squared per position, at temperature 1 and with top-k
-and top-p), and a deliberately wrong acceptance rule fails the same test. Likewise for Medusa
-trees, whose typical acceptance (not lossless) fails it."""
+the tokens the same seeds give without speculation, and distributed as other seeds' (chi-squared
+per position, at temperature 1 and with top-k and top-p); a deliberately wrong acceptance rule
+fails the same test. Likewise for Medusa trees, whose typical acceptance (not lossless) fails
+it."""
 from __future__ import annotations
 
 import dataclasses
@@ -89,13 +90,19 @@ CASES = {"temperature 1": SamplingParams(**BASE),
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_keeps_the_distribution(models, case):
   params = CASES[case]
-  # K+2 positions per case, each at 1e-3 (a fixed seed set: the outcome is fixed, not flaky).
-  assert min_pvalue(sample(models, params, True), sample(models, params, False)) > 1e-3
+  spec, plain = sample(models, params, True), sample(models, params, False)
+  # Each token is the sampler's own draw: the same seeds give the very same tokens ...
+  assert np.array_equal(spec, plain)
+  # ... distributed as the target's samples of other seeds (K+2 positions, each at 1e-3; a
+  # fixed seed set: the outcome is fixed, not flaky).
+  assert min_pvalue(spec, sample(models, params, False, first_seed=N)) > 1e-3
 
 
 def test_a_wrong_acceptance_rule_fails_it(models, monkeypatch):
-  # After a rejection, draw from p instead of max(0, p - q): over-weights what the draft guessed.
-  monkeypatch.setattr(accept_mod, "_residual", lambda p, q: p)
+  # Every verify row drawing with its step's first key ties the tokens of a step together.
+  real = accept_mod.row_tensors
+  monkeypatch.setattr(accept_mod, "row_tensors", lambda st, vt, *a, **kw: real(
+      st, vt, *a, **kw).replace(gen_idx=st.gen_idx[vt.row_seq]))
   params = CASES["temperature 1"]
   assert min_pvalue(sample(models, params, True), sample(models, params, False)) < 1e-6
 

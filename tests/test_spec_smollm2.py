@@ -1,7 +1,8 @@
-"""Speculative decoding on the real model: SmolLM2's greedy output with n-gram lookup, with the
-distilled draft and with the Medusa heads of `checkpoints/` is the output without speculation,
-alone and inside a batch with chunked prefill, preemption and prefix hits; and the shipped draft
-and heads are trained ones."""
+"""Speculative decoding on the real model: SmolLM2's output with n-gram lookup, with the
+distilled draft and with the Medusa heads of `checkpoints/` is the output without speculation:
+greedy, alone and inside a batch with chunked prefill, preemption and prefix hits; sampled with
+seeds, 600 copies of one prompt (prefix hits in every step), token for token and by
+chi-squared. And the shipped draft and heads are trained ones."""
 from __future__ import annotations
 
 import os
@@ -9,9 +10,11 @@ import os
 import numpy as np
 import pytest
 
+from scipy import stats
+
 from jinfer import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow  # four SmolLM2 engines, ~3 minutes
+pytestmark = pytest.mark.slow  # four SmolLM2 engines, ~5 minutes
 
 CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "checkpoints")
@@ -29,9 +32,15 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def workload():
+def llms() -> dict[str, LLM]:
+  """One engine without speculation ("off") and one per proposer, compiled lazily."""
+  return {m: LLM(**ENGINE, speculative_config=SPECS.get(m)) for m in ("off",) + tuple(SPECS)}
+
+
+@pytest.fixture(scope="module")
+def workload(llms):
   """(watched prompts, filler prompts, greedy outputs of the watched ones without speculation)."""
-  llm = LLM(**ENGINE)
+  llm = llms["off"]
   tok = llm.tokenizer
   chats = ["Explain lightning in simple terms.", "Write a Python function that checks whether "
            "two strings are anagrams.", "What are three interesting facts about owls?"]
@@ -46,9 +55,9 @@ def workload():
 
 
 @pytest.mark.parametrize("method", sorted(SPECS))
-def test_greedy_output_is_the_same_as_without_speculation(workload, method):
+def test_greedy_output_is_the_same_as_without_speculation(llms, workload, method):
   watched, fillers, want = workload
-  llm = LLM(**ENGINE, speculative_config=SPECS[method])
+  llm = llms[method]
   alone = [llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in watched]
   assert alone == want
   first = llm.engine.stats().spec.acceptance_per_position[0]
@@ -66,3 +75,40 @@ def test_greedy_output_is_the_same_as_without_speculation(workload, method):
   b = llm.engine.blocks
   b.check_consistency()
   assert b.num_free_pages == b.num_usable_pages
+
+
+CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+        "def mul(a, b):\n    return a * b\n\ndef div(a, b):")
+SEEDS, POSITIONS = 600, 4
+
+
+def first_tokens(llm: LLM, seeds) -> np.ndarray:
+  """[len(seeds), POSITIONS]: the first tokens of CODE sampled at temperature 1 per seed, all
+  in flight together (every copy after the first hits the prefix cache)."""
+  params = [SamplingParams(temperature=1.0, seed=s, max_tokens=POSITIONS, ignore_eos=True)
+            for s in seeds]
+  return np.array([o.outputs[0].token_ids
+                   for o in llm.generate([CODE] * len(params), params, use_tqdm=False)])
+
+
+@pytest.fixture(scope="module")
+def plain_samples(llms) -> np.ndarray:
+  return first_tokens(llms["off"], range(2 * SEEDS))
+
+
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_seeded_sampling_is_plain_sampling(llms, plain_samples, method):
+  got = first_tokens(llms[method], range(SEEDS))
+  assert llms[method].engine.stats().spec.num_accepted_tokens > 0
+  # Token for token what the same seeds give without speculation ...
+  assert np.array_equal(got, plain_samples[:SEEDS])
+  # ... and so distributed as other seeds' samples (two-sample chi-squared per position, bins
+  # with fewer than 10 samples merged; fixed seeds: the outcome is fixed, not flaky).
+  other = plain_samples[SEEDS:]
+  for pos in range(POSITIONS):
+    ids = np.unique(np.concatenate([got[:, pos], other[:, pos]]))
+    table = np.stack([(got[:, pos, None] == ids).sum(0), (other[:, pos, None] == ids).sum(0)])
+    big = table.sum(0) >= 10
+    table = np.concatenate([table[:, big], table[:, ~big].sum(1, keepdims=True)], axis=1)
+    table = table[:, table.sum(0) > 0]
+    assert stats.chi2_contingency(table).pvalue > 1e-3, (method, pos)

@@ -12,7 +12,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jinfer.accept import Drafts, accept, accept_tree
+from jinfer.accept import accept
 from jinfer.config import ModelConfig
 from jinfer.engine import compilation_cache
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
@@ -23,6 +23,7 @@ from jinfer.quant.qarray import param_bytes
 from jinfer.sample import SampleOutput, sample
 from jinfer.sampling_params import MAX_LOGPROBS
 from jinfer.spec.medusa import MedusaProposer, MedusaStep, keep_path
+from jinfer.spec.tree import Tree
 from pallas_kernels import KVCacheSpec
 
 log = logging.getLogger(__name__)
@@ -55,11 +56,11 @@ def _expert_load(state) -> jax.Array | None:
 
 
 def _step(model: CausalLM, medusa: MedusaStep | None, params, kv_cache, inp: StepInput,
-          drafts: Drafts | None, heads: dict | None) -> tuple:
+          drafts: jax.Array | None, heads: dict | None) -> tuple:
   """`medusa` (static) and `heads`: the target proposes its next step's candidates too."""
   token_ids = inp.token_ids
   if drafts is not None:  # a device proposer's tokens take their verify rows
-    token_ids = token_ids.at[inp.verify.draft_rows].set(drafts.tokens, mode="drop")
+    token_ids = token_ids.at[inp.verify.draft_rows].set(drafts, mode="drop")
   apply = functools.partial(model.apply, {"params": params}, token_ids, inp.positions,
                             kv_cache, inp.md, return_hidden=medusa is not None,
                             mutable=["expert_load"])
@@ -67,15 +68,14 @@ def _step(model: CausalLM, medusa: MedusaStep | None, params, kv_cache, inp: Ste
   if inp.verify is not None:
     vt = inp.verify.tensors
     if drafts is not None:
-      vt = vt.replace(draft_tokens=drafts.tokens)
+      vt = vt.replace(draft_tokens=drafts)
     (logits, hidden, kv_cache), state = apply(inp.verify.logits_rows)  # [R, V]
     if medusa is not None:
-      out = accept_tree(logits, inp.sampling, vt, medusa.tree, medusa.typical)
+      out = accept(logits, inp.sampling, vt, medusa.tree, medusa.typical)
       kv_cache = keep_path(kv_cache, inp.md, out)
       proposals = propose(hidden[out.stop_row])
     else:
-      out = accept(logits, inp.sampling, vt, None if drafts is None else drafts.probs)
-      proposals = None
+      out, proposals = accept(logits, inp.sampling, vt, Tree.chain(vt.draft_tokens.shape[1])), None
     return StepOutput(out.sample, out.num_accepted, proposals, None,
                       _expert_load(state)), kv_cache
   if not inp.prompt_logprobs:
@@ -142,7 +142,7 @@ class ModelRunner:
     self._multiprocess = jax.process_count() > 1
     self._variants = buckets.shapes(True)
 
-  def run(self, inp: StepInput, drafts: Drafts | None = None) -> StepOutput:
+  def run(self, inp: StepInput, drafts: jax.Array | None = None) -> StepOutput:
     """`drafts`: a device proposer's tokens for a verify step's draft rows (n-gram drafts are
     in `inp` already)."""
     shape = (inp.token_ids.shape[0], inp.prompt_logprobs, inp.verify is not None)
@@ -170,7 +170,7 @@ class ModelRunner:
       return self._small[2], self._small[1]
     return self.model, self.params
 
-  def _run(self, inp: StepInput, drafts: Drafts | None) -> StepOutput:
+  def _run(self, inp: StepInput, drafts: jax.Array | None) -> StepOutput:
     try:
       if self._small is not None and inp.token_ids.shape[0] <= self.unrolled_max_tokens:
         out, self.kv_cache = self._small[0](self._small[1], self.kv_cache, inp, drafts,
@@ -213,7 +213,7 @@ class ModelRunner:
       self._multiprocess = False
 
   def warmup(self, with_prompt_logprobs: bool = False,
-             empty_drafts: Callable[[int], Drafts | None] = lambda s: None,
+             empty_drafts: Callable[[int], jax.Array | None] = lambda s: None,
              buckets: Collection[int] | None = None) -> float:
     """Compile every bucket (or those of `buckets` tokens) by running an all-padding step of
     each shape; returns seconds. `empty_drafts(S)`: stand-in device drafts for verify steps,

@@ -112,7 +112,7 @@ def empty_step_input(b: Buckets, t: int, prompt_logprobs: bool = False,
     extra = dict(draft_tokens=z(s, k), num_drafts=z(s), row_seq=z(r), row_depth=z(r),
                  chain=z(s, k + 1), ban_rows=z(s), draft_rows=np.full((s, k), t, np.int32),
                  logits_rows=z(r))
-    if b.tree is not None:  # every row sees itself; a sequence's tree rows are set as built
+    if b.tree is not None:  # padding rows see the first; a sequence's rows are set as built
       extra["tree_mask"] = np.arange(k + 1)[None, :] == np.zeros((t, 1), np.int32)
   else:
     extra = {}
@@ -171,9 +171,14 @@ def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
         nxt = seq.token_ids[start + 1:start + n + 1]
         a["target_ids"][off:off + len(nxt)] = nxt
       a["positions"][off:off + n] = pos
-      if m and b.tree is not None:  # a tree's rows sit at positions by depth, see their ancestors
-        a["positions"][off + n - m - 1:off + n] = start + n - m - 1 + b.tree.depth[:m + 1]
-        a["tree_mask"][off + n - m - 1:off + n, :m + 1] = b.tree.visible[:m + 1, :m + 1]
+      if verify and b.tree is not None and n <= b.num_speculative_tokens + 1:
+        # The mask governs every sequence of at most verify_width rows, a short prefill chunk
+        # (a prefix hit's tail) too: causal, unless its rows are a tree, whose rows sit at
+        # positions by depth and see their ancestors.
+        a["tree_mask"][off:off + n, :n] = np.tri(n, dtype=bool)
+        if m:
+          a["positions"][off + n - m - 1:off + n] = start + n - m - 1 + b.tree.depth[:m + 1]
+          a["tree_mask"][off + n - m - 1:off + n, :m + 1] = b.tree.visible[:m + 1, :m + 1]
       pages = np.asarray(seq.pages, np.int32)
       a["slot_mapping"][off:off + n] = pages[pos // page_size] * page_size + pos % page_size
       a["block_table"][i, :len(pages)] = pages

@@ -11,9 +11,8 @@ bookkeeping of their own. Each step the draft runs
 Rows a sequence does not need (it verifies fewer than k drafts) write to the sink page.
 A step where nobody speculates runs pass 1 alone, without the head, to keep the cache whole.
 
-Draft tokens are sampled from the draft's distribution under the request's own processing
-(`jinfer/accept.py` makes q the same way and the target checks against it), with the request's
-seed in a stream of its own.
+Draft tokens are drawn from the draft's distribution under the request's own processing, with
+the random number the target's sampler uses for the same position (see `_sample_draft`).
 """
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jinfer.accept import DRAFT_STREAM, DraftProbs, Drafts, VerifyTensors, row_tensors
+from jinfer.accept import VerifyTensors, row_tensors
 from jinfer.config import ModelConfig
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.request import Sequence
@@ -34,8 +33,7 @@ from jinfer.engine.scheduler import ScheduledBatch
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
 from jinfer.models import CausalLM, unstack_layers
 from jinfer.quant.qarray import param_bytes
-from jinfer.sample import (SamplingTensors, _argmax, any_penalty, ban, draw, filter_sorted,
-                           penalize, row_keys)
+from jinfer.sample import SamplingTensors, _argmax, any_penalty, ban, choose, penalize
 from jinfer.spec.config import SpeculativeConfig
 from jinfer.spec.draft_checkpoint import is_draft_checkpoint, load_draft
 from jinfer.spec.proposer import Proposer
@@ -61,34 +59,26 @@ class DraftInput:
 
 
 def _sample_draft(logits: jax.Array, st: SamplingTensors, vt: VerifyTensors, vocab: jax.Array,
-                  vocab_size: int) -> tuple[jax.Array, jax.Array]:
-  """The draft's token for chain index `vt.row_depth` of every sequence and its q [S, Vd]:
-  the request's processing over the draft's logits [S, Vd] (-inf outside its vocabulary)."""
+                  vocab_size: int) -> jax.Array:
+  """The draft's token [S] for chain index `vt.row_depth` of every sequence: the request's
+  processing over the draft's logits [S, Vd] (-inf outside its vocabulary), then its argmax or a
+  draw with the very random number the target draws that token with. The target accepts a draft
+  only where its own draw is the same token (`jinfer/accept.py`); sharing the number makes the
+  two draws agree wherever the draft's distribution is close to the target's."""
   s = logits.shape[0]
   rst = row_tensors(st, vt, with_history=False)
-  no_q = jnp.zeros(logits.shape, jnp.float32)  # greedy rows' q goes unused
 
   def processed(logits):  # the request's processing needs the whole vocabulary
     x = jnp.full((s, vocab_size), -jnp.inf, logits.dtype).at[:, vocab].set(logits)
     x = jax.lax.cond(any_penalty(st),
                      lambda l: penalize(l, row_tensors(st, vt, with_history=True)),
                      lambda l: l, x)
-    x = ban(x, rst.banned)
-    greedy = _argmax(x)
-
-    def sampled(x):
-      order, w = filter_sorted(x, rst)
-      token = draw(order, w, jnp.sum(w > 0, axis=-1) - 1, row_keys(rst, DRAFT_STREAM))
-      q = jnp.zeros_like(w).at[jnp.arange(s)[:, None], order].set(w / w.sum(-1, keepdims=True))
-      return token, q[:, vocab]
-
-    token, q = jax.lax.cond(jnp.any(st.temperature > 0), sampled, lambda x: (greedy, no_q), x)
-    return jnp.where(rst.temperature > 0, token, greedy), q
+    return choose(ban(x, rst.banned), rst)
 
   # All greedy with nothing to process (the common case): the argmax over the draft's own
   # vocabulary, without scattering every row to the full one ([S, V] writes each pass).
   plain = jnp.all(st.temperature <= 0) & ~any_penalty(st) & jnp.all(rst.banned < 0)
-  return jax.lax.cond(plain, lambda l: (vocab[_argmax(l)], no_q), processed, logits)
+  return jax.lax.cond(plain, lambda l: vocab[_argmax(l)], processed, logits)
 
 
 def _propose(model: CausalLM, k: int, vocab_size: int, propose: bool, params, head, vocab,
@@ -104,24 +94,22 @@ def _propose(model: CausalLM, k: int, vocab_size: int, propose: bool, params, he
       draft_tokens=drafts, num_drafts=jnp.full(s, k, jnp.int32),
       row_seq=jnp.arange(s, dtype=jnp.int32), row_depth=jnp.full(s, i, jnp.int32),
       chain=jnp.zeros((s, k + 1), jnp.int32), ban_rows=ban_rows)
-  token, q = _sample_draft(hidden @ head.T, st, vt(drafts, 0), vocab, vocab_size)
-  drafts = drafts.at[:, 0].set(token)
-  probs = jnp.zeros((s, k) + q.shape[1:], q.dtype).at[:, 0].set(q)
+  drafts = drafts.at[:, 0].set(_sample_draft(hidden @ head.T, st, vt(drafts, 0), vocab,
+                                             vocab_size))
   one_row = jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), inp.md.num_seqs[0])
 
   def step(i, carry):  # pass i + 1 feeds d_i, proposes d_{i+1}
-    drafts, probs, kv_cache = carry
+    drafts, kv_cache = carry
     kv_lens = inp.kv_lens[:, i - 1]
     md = AttentionMetadata(slot_mapping=inp.slots[:, i - 1], block_table=inp.md.block_table,
                            kv_lens=kv_lens, cu_q_lens=one_row, num_seqs=inp.md.num_seqs,
                            max_q_len=1, max_prefill_seqs=0)
     _, hidden, kv_cache = apply(drafts[:, i - 1], kv_lens - 1, kv_cache, md,
                                 jnp.arange(s, dtype=jnp.int32))
-    token, q = _sample_draft(hidden @ head.T, st, vt(drafts, i), vocab, vocab_size)
-    return drafts.at[:, i].set(token), probs.at[:, i].set(q), kv_cache
+    token = _sample_draft(hidden @ head.T, st, vt(drafts, i), vocab, vocab_size)
+    return drafts.at[:, i].set(token), kv_cache
 
-  drafts, probs, kv_cache = jax.lax.fori_loop(1, k, step, (drafts, probs, kv_cache))
-  return Drafts(tokens=drafts, probs=DraftProbs(probs=probs, vocab=vocab)), kv_cache
+  return jax.lax.fori_loop(1, k, step, (drafts, kv_cache))
 
 
 class DraftModelProposer(Proposer):
@@ -181,7 +169,7 @@ class DraftModelProposer(Proposer):
     return cls(spec.num_speculative_tokens, config, params, vocab, engine_config, buckets, dtype)
 
   # -- the proposer interface ---------------------------------------------------------------
-  def propose(self, batch: ScheduledBatch, inp: StepInput) -> Drafts | None:
+  def propose(self, batch: ScheduledBatch, inp: StepInput) -> jax.Array | None:
     speculating = inp.verify is not None
     d = self._input(batch, inp)
     ban_rows = (inp.verify.tensors.ban_rows if speculating
@@ -219,10 +207,8 @@ class DraftModelProposer(Proposer):
         log.info("draft model %d-token %s pass ready in %.1f s", t,
                  "proposal" if speculating else "catch-up", time.monotonic() - t0)
 
-  def empty_drafts(self, num_seqs: int) -> Drafts:
-    return Drafts(tokens=jnp.zeros((num_seqs, self.k), jnp.int32),
-                  probs=DraftProbs(probs=jnp.zeros((num_seqs, self.k, len(self.vocab))),
-                                   vocab=self.vocab))
+  def empty_drafts(self, num_seqs: int) -> jax.Array:
+    return jnp.zeros((num_seqs, self.k), jnp.int32)
 
   @property
   def weight_bytes(self) -> int:

@@ -4,7 +4,7 @@ Every step that ends with a new token for a sequence also runs the Medusa heads 
 hidden state that chose it (the plain step's logits row, or the verify step's stop node) and
 returns each head's top candidates with the tokens. The next step fills the sequence's verify
 rows with the candidate tree built from them (`fill`, on the host, like n-gram lookup) and
-verifies it with `jinfer.accept.accept_tree`; the accepted path's K/V moves to the slots of its
+verifies it with `jinfer.accept.accept`; the accepted path's K/V moves to the slots of its
 depths in the same jit (`keep_path`). So Medusa costs no pass of its own: the heads' few rows
 and a wider verify step.
 """

@@ -5,17 +5,17 @@ see `Engine._lookahead`); a proposer then fills them:
   * on the host, before the step input is built (`fill`): n-gram lookup writes its tokens into
     the batch, and gives back rows it has no guess for;
   * on the device, between building the step input and running the target (`propose`): a draft
-    model runs its own jitted loop and hands the target its tokens and their probabilities as
-    device arrays, so the host never waits for them.
+    model runs its own jitted loop and hands the target its tokens [S, K] as a device array, so
+    the host never waits for them.
 After the step the engine reports each sequence's outcome (`on_verified`).
 """
 from __future__ import annotations
 
 import abc
 
+import jax
 import numpy as np
 
-from jinfer.accept import Drafts
 from jinfer.engine.request import Sequence
 from jinfer.engine.scheduler import ScheduledBatch
 from jinfer.engine.step_input import StepInput
@@ -31,7 +31,7 @@ class Proposer(abc.ABC):
     """Host-side proposals: set `batch.draft_tokens[i]` for each sequence with drafts, trimming
     `num_drafts` (and its rows) where fewer are found. Device proposers leave them empty."""
 
-  def propose(self, batch: ScheduledBatch, inp: StepInput) -> Drafts | None:
+  def propose(self, batch: ScheduledBatch, inp: StepInput) -> jax.Array | None:
     """Device-side proposals for the batch (None: host proposals, or none speculates)."""
     return None
 
@@ -56,7 +56,7 @@ class Proposer(abc.ABC):
   def warmup(self, shapes: list[int]) -> None:
     """Compile whatever the proposer runs on device, for every token bucket in `shapes`."""
 
-  def empty_drafts(self, num_seqs: int) -> Drafts | None:
+  def empty_drafts(self, num_seqs: int) -> jax.Array | None:
     """Stand-in device drafts of the right shapes, to compile the verify step with."""
     return None
 

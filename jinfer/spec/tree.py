@@ -16,6 +16,7 @@ a time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 from typing import Sequence
 
@@ -52,6 +53,12 @@ class Tree:
   def depth_of(self, num_nodes: int) -> int:
     """The depth of a tree cut to its first `num_nodes` nodes."""
     return int(self.depth[num_nodes])
+
+  @classmethod
+  @functools.cache
+  def chain(cls, length: int) -> "Tree":
+    """A chain of `length` drafts: node i's parent is node i - 1."""
+    return cls.of(chain_choices(length), length)
 
   @classmethod
   def of(cls, choices: Sequence[Sequence[int]], num_heads: int) -> "Tree":
