@@ -35,19 +35,6 @@ def tiny_loaded(path: str, gguf: str, *, seed: int = 0, num_layers: int = 2):
   return config, load_safetensors_dir(path, config), tok
 
 
-def save_medusa_heads(config: ModelConfig, path: str, scale: float, num_heads: int = 3) -> str:
-  """Medusa heads for a tiny model at `path`: scale 0 gives identity heads (zero blocks: their
-  guess is the model's next token again, which a tiny model repeating its last token mostly
-  confirms), scale 1 random ones (nearly always wrong)."""
-  from jinfer.spec import medusa_heads as mh
-  p = mh.init_heads(num_heads, config.hidden_size)
-  key = jax.random.key(1)
-  p = {"w": jax.random.normal(key, p["w"].shape) * scale,
-       "b": jax.random.normal(jax.random.fold_in(key, 1), p["b"].shape) * 3 * scale}
-  mh.save_heads(path, p, {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size})
-  return path
-
-
 class CompileCounter:
   """Counts XLA backend compiles from the moment it is made (a hit in the persistent compilation
   cache is not a compile)."""

@@ -26,8 +26,7 @@ from jinfer.spec.tree import (Tree, best_choices, chain_choices, default_choices
                               expected_length)
 from pallas_kernels import AttentionMetadata, KVCacheSpec
 from tests.engine_fixtures import (CompileCounter, assert_batch_matches, make_engine,
-                                   prefix_sharing_prompts, random_prompts, run_tokens,
-                                   save_medusa_heads)
+                                   prefix_sharing_prompts, random_prompts, run_tokens)
 
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]]
 
@@ -227,9 +226,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def heads(tiny_model, tmp_path_factory) -> dict[str, str]:
-  """Identity and random heads for the tiny model (see `save_medusa_heads`)."""
-  return {name: save_medusa_heads(tiny_model[0], str(tmp_path_factory.mktemp(name)), scale)
-          for name, scale in (("identity", 0.0), ("random", 1.0))}
+  """Heads checkpoints for the tiny model: identity heads (zero blocks: their guess is the
+  model's next token again, which this model, repeating its last token, mostly confirms) and
+  random ones (nearly always wrong)."""
+  config = tiny_model[0]
+  meta = {"hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
+  out = {}
+  for name, scale in (("identity", 0.0), ("random", 1.0)):
+    p = mh.init_heads(3, config.hidden_size)
+    key = jax.random.key(1)
+    p = {"w": jax.random.normal(key, p["w"].shape) * scale,
+         "b": jax.random.normal(jax.random.fold_in(key, 1), p["b"].shape) * 3 * scale}
+    out[name] = str(tmp_path_factory.mktemp(name))
+    mh.save_heads(out[name], p, meta)
+  return out
 
 
 _prompts, _run = random_prompts, run_tokens

@@ -3,7 +3,8 @@ that often disagrees with the target, the first k+1 tokens of thousands of seede
 the tokens the same seeds give without speculation, and distributed as other seeds' (chi-squared
 per position, at temperature 1 and with top-k and top-p); a deliberately wrong acceptance rule
 fails the same test. Likewise for Medusa trees, whose typical acceptance (not lossless) fails
-it."""
+it. And on the same model (distributions neither flat nor one-hot), seeded requests in a batch
+with prefix hits and preemption emit what each emits alone without speculation, per proposer."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,6 @@ from jinfer.weights.safetensors_dir import load_safetensors_dir
 V, K, N = 64, 3, 2000  # vocabulary, drafts per step, samples per distribution
 PROMPT = [5]
 
-pytestmark = pytest.mark.slow  # ~1 minute: compiles a few large buckets of two engines
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def sample(models, params: SamplingParams, speculate: bool, first_seed: int = 0)
   final = eng.run_to_completion(rids)
   if speculate:
     s = eng.stats().spec
-    assert 0.2 < s.acceptance_rate < 0.8, "the draft should often, not always, disagree"
+    assert 0.1 < s.acceptance_rate < 0.8, "the draft should often, not always, disagree"
   return np.array([final[r].outputs[0].token_ids for r in rids])
 
 
@@ -87,6 +87,7 @@ CASES = {"temperature 1": SamplingParams(**BASE),
          "top-p 0.8": SamplingParams(**BASE, top_p=0.8)}
 
 
+@pytest.mark.slow  # thousands of requests: a few large buckets compiled
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_sampling_keeps_the_distribution(models, case):
   params = CASES[case]
@@ -98,6 +99,7 @@ def test_speculative_sampling_keeps_the_distribution(models, case):
   assert min_pvalue(spec, sample(models, params, False, first_seed=N)) > 1e-3
 
 
+@pytest.mark.slow  # thousands of requests: a few large buckets compiled
 def test_a_wrong_acceptance_rule_fails_it(models, monkeypatch):
   # Every verify row drawing with its step's first key ties the tokens of a step together.
   real = accept_mod.row_tensors
@@ -144,6 +146,7 @@ def medusa_sample(models, heads: str, params: SamplingParams, first_seed: int = 
 MEDUSA_TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0], [1, 0, 0]]
 
 
+@pytest.mark.slow  # thousands of requests: a few large buckets compiled
 @pytest.mark.parametrize("case", ["temperature 1", "top-k 8"])
 def test_a_medusa_tree_keeps_the_distribution(models, medusa_heads, case):
   params = CASES[case]
@@ -154,6 +157,7 @@ def test_a_medusa_tree_keeps_the_distribution(models, medusa_heads, case):
   assert min_pvalue(tree, sample(models, params, False, first_seed=N)) > 1e-3
 
 
+@pytest.mark.slow  # thousands of requests: a few large buckets compiled
 def test_typical_acceptance_fails_it(models, medusa_heads):
   """Medusa's typical acceptance at a low threshold accepts unlikely candidates: not lossless."""
   params = CASES["temperature 1"]
@@ -161,3 +165,44 @@ def test_typical_acceptance_fails_it(models, medusa_heads):
                           acceptance_method="typical_acceptance_sampler",
                           posterior_threshold=0.01, posterior_alpha=0.01)
   assert min_pvalue(typical, sample(models, params, False)) < 1e-6
+
+
+# -- The batch: seeded requests emit their tokens alone or beside any others --------------------
+BATCH = dict(max_model_len=64, page_size=4, num_pages=24, max_num_seqs=8,
+             max_num_batched_tokens=16, max_prefill_seqs=2)
+
+
+def batch_engine(models, spec: dict | None) -> LLMEngine:
+  (config, weights), _ = models
+  return LLMEngine.from_parts(config, weights, None, warmup=False, config=EngineConfig(
+      **BATCH, speculative_config=spec))
+
+
+@pytest.mark.parametrize("method", ["medusa", pytest.param("ngram", marks=pytest.mark.slow),
+                                    pytest.param("draft_model", marks=pytest.mark.slow)])
+def test_seeded_sampling_is_plain_sampling_in_any_batch(models, medusa_heads, method):
+  """Seeded requests emit inside a batch the tokens each emits alone without speculation, on a
+  model whose distributions are neither flat nor one-hot (so how many drafts a sequence gets
+  could change an acceptance's outcome). The batch is where this is hardest: more requests than
+  max_prefill_seqs, most sharing a prompt whose prefix-cache hits leave a tail of 2 rows (as few
+  as a verify step's, in steps with other sequences' verify rows), drafts trimmed by the token
+  budget, preemption."""
+  _, draft = models
+  spec = {"ngram": {"prompt_lookup_min": 1}, "draft_model": {"model": draft},
+          "medusa": {"model": medusa_heads, "medusa_choices": MEDUSA_TREE}}[method]
+  rng = np.random.default_rng(0)
+  shared = rng.integers(1, V, 10).tolist()  # two full pages of 4, then 2 tokens
+  prompts = [rng.integers(1, V, 24).tolist()] + [shared] * 6 + [rng.integers(1, V, 20).tolist()]
+  params = [SamplingParams(temperature=1.0, seed=s, max_tokens=24, ignore_eos=True,
+                           top_p=0.9 if s % 3 == 2 else 1.0) for s in range(len(prompts))]
+  plain = batch_engine(models, None)
+  alone = [plain.run_to_completion([r])[r].outputs[0].token_ids
+           for r in (plain.add_request(None, p, sp) for p, sp in zip(prompts, params))]
+  eng = batch_engine(models, {"method": method, "num_speculative_tokens": K, **spec})
+  rids = [eng.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+  final = eng.run_to_completion(rids)
+  assert [final[r].outputs[0].token_ids for r in rids] == alone
+  s = eng.stats()
+  assert s.prefix_hit_rate > 0 and s.num_preemptions > 0 and s.spec.num_accepted_tokens > 0, s
+  eng.blocks.check_consistency()
+  assert eng.blocks.num_free_pages == eng.blocks.num_usable_pages

@@ -1,8 +1,8 @@
 """Speculative decoding on the real model: SmolLM2's output with n-gram lookup, with the
 distilled draft and with the Medusa heads of `checkpoints/` is the output without speculation:
 greedy, alone and inside a batch with chunked prefill, preemption and prefix hits; sampled with
-seeds, 600 copies of one prompt (prefix hits in every step), token for token and by
-chi-squared. And the shipped draft and heads are trained ones."""
+seeds, 128 copies of one prompt (prefix hits in every step), token for token. And the shipped
+draft and heads are trained ones."""
 from __future__ import annotations
 
 import os
@@ -10,11 +10,9 @@ import os
 import numpy as np
 import pytest
 
-from scipy import stats
-
 from jinfer import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow  # four SmolLM2 engines, ~5 minutes
+pytestmark = pytest.mark.slow  # four SmolLM2 engines, ~4 minutes
 
 CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "checkpoints")
@@ -79,36 +77,29 @@ def test_greedy_output_is_the_same_as_without_speculation(llms, workload, method
 
 CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
         "def mul(a, b):\n    return a * b\n\ndef div(a, b):")
-SEEDS, POSITIONS = 600, 4
+SEEDS, POSITIONS = 128, 4
 
 
-def first_tokens(llm: LLM, seeds) -> np.ndarray:
-  """[len(seeds), POSITIONS]: the first tokens of CODE sampled at temperature 1 per seed, all
-  in flight together (every copy after the first hits the prefix cache)."""
+def first_tokens(llm: LLM) -> np.ndarray:
+  """[SEEDS, POSITIONS]: the first tokens of CODE sampled at temperature 1 with seeds 0.., all in
+  flight together (every copy after the first hits the prefix cache)."""
   params = [SamplingParams(temperature=1.0, seed=s, max_tokens=POSITIONS, ignore_eos=True)
-            for s in seeds]
+            for s in range(SEEDS)]
   return np.array([o.outputs[0].token_ids
-                   for o in llm.generate([CODE] * len(params), params, use_tqdm=False)])
+                   for o in llm.generate([CODE] * SEEDS, params, use_tqdm=False)])
 
 
 @pytest.fixture(scope="module")
 def plain_samples(llms) -> np.ndarray:
-  return first_tokens(llms["off"], range(2 * SEEDS))
+  return first_tokens(llms["off"])
 
 
 @pytest.mark.parametrize("method", sorted(SPECS))
 def test_seeded_sampling_is_plain_sampling(llms, plain_samples, method):
-  got = first_tokens(llms[method], range(SEEDS))
+  """Token for token what the same seeds give without speculation, so distributed as plain
+  sampling (which tests/test_sample.py tests). Before the fix Medusa differed here for every copy
+  after the first few, at the first token."""
+  got = first_tokens(llms[method])
   assert llms[method].engine.stats().spec.num_accepted_tokens > 0
-  # Token for token what the same seeds give without speculation ...
-  assert np.array_equal(got, plain_samples[:SEEDS])
-  # ... and so distributed as other seeds' samples (two-sample chi-squared per position, bins
-  # with fewer than 10 samples merged; fixed seeds: the outcome is fixed, not flaky).
-  other = plain_samples[SEEDS:]
-  for pos in range(POSITIONS):
-    ids = np.unique(np.concatenate([got[:, pos], other[:, pos]]))
-    table = np.stack([(got[:, pos, None] == ids).sum(0), (other[:, pos, None] == ids).sum(0)])
-    big = table.sum(0) >= 10
-    table = np.concatenate([table[:, big], table[:, ~big].sum(1, keepdims=True)], axis=1)
-    table = table[:, table.sum(0) > 0]
-    assert stats.chi2_contingency(table).pvalue > 1e-3, (method, pos)
+  assert len(np.unique(plain_samples, axis=0)) > SEEDS // 8  # a spread, not one likely answer
+  np.testing.assert_array_equal(got, plain_samples)
