@@ -42,9 +42,9 @@ from jinfer.bench.offline import RandomWorkload, run_offline
 from jinfer.bench.report import emit
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
-from jinfer.sampling_params import SamplingParams
+from jinfer.sampling.params import SamplingParams
 from jinfer.weights.builtin import builtin_gguf_path, is_builtin
-from jinfer.weights.loader import DEFAULT_MODEL
+from jinfer.loader import DEFAULT_MODEL
 
 
 def _load() -> float | None:

@@ -46,7 +46,7 @@ def main(argv=None):
   from jinfer.engine.engine import LLMEngine
   from jinfer.engine.engine_config import EngineConfig, default_dtype
   from jinfer.models import param_shapes
-  from jinfer.sampling_params import SamplingParams
+  from jinfer.sampling.params import SamplingParams
 
   shapes = {
       "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=4,

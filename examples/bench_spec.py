@@ -40,10 +40,10 @@ from jinfer.bench.report import emit  # noqa: E402
 from jinfer.bench.offline import RandomWorkload  # noqa: E402
 from jinfer.engine.engine import LLMEngine  # noqa: E402
 from jinfer.engine.engine_config import EngineConfig  # noqa: E402
-from jinfer.sampling_params import SamplingParams  # noqa: E402
-from jinfer.spec.medusa_heads import heads_meta  # noqa: E402
-from jinfer.spec.tree import chain_choices, expected_length  # noqa: E402
-from jinfer.weights.loader import DEFAULT_MODEL, load_model  # noqa: E402
+from jinfer.sampling.params import SamplingParams  # noqa: E402
+from jinfer.engine.speculative.medusa_heads import heads_meta  # noqa: E402
+from jinfer.sampling.tree import chain_choices, expected_length  # noqa: E402
+from jinfer.loader import DEFAULT_MODEL, load_model  # noqa: E402
 
 CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "checkpoints")

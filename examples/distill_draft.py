@@ -100,10 +100,10 @@ def cmd_soft_labels(args):
 
 def cmd_train(args):
   import jax
-  from jinfer.spec.distill import (DistillConfig, Trainer, draft_vocab, init_draft,
+  from jinfer.training.distill import (DistillConfig, Trainer, draft_vocab, init_draft,
                                    sequence_targets)
-  from jinfer.spec.draft_checkpoint import save_draft
-  from jinfer.weights.loader import load_model
+  from jinfer.engine.speculative.draft_checkpoint import save_draft
+  from jinfer.loader import load_model
 
   seqs, starts = load_seqs(_path(args, f"{args.data}.npz"))
   config, params, tok = load_model(TEACHER)

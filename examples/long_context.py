@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
   from jinfer.bench.report import emit
   from jinfer.tokenizer import Tokenizer
   from jinfer.weights.builtin import builtin_gguf_path, is_builtin
-  from jinfer.weights.loader import DEFAULT_MODEL
+  from jinfer.loader import DEFAULT_MODEL
 
   args.model = args.model or DEFAULT_MODEL
   t_start = time.perf_counter()

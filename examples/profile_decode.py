@@ -31,9 +31,9 @@ from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.models.llama import Linear, lm_head
 from jinfer.quant.qarray import param_bytes
-from jinfer.sample import sample
-from jinfer.sampling_params import SamplingParams
-from jinfer.weights.loader import DEFAULT_MODEL, load_model
+from jinfer.sampling.sample import sample
+from jinfer.sampling.params import SamplingParams
+from jinfer.loader import DEFAULT_MODEL, load_model
 from pallas_kernels import ragged_paged_attention, write_kv
 
 

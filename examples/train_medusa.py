@@ -5,7 +5,7 @@ Stages, each reading the files earlier ones wrote to --work-dir:
             (--split train: the training data; --split eval: held-back answers to evaluate on)
   hidden    one pass of the frozen target over each (prompt + answer): the final hidden states
             (after the final norm, what the LM head reads) at the answer positions, cached
-  train     heads on the cached hidden states (`jinfer/spec/medusa_train.py`)
+  train     heads on the cached hidden states (`jinfer/training/medusa_train.py`)
   eval      per-head top-1 / top-5 accuracy of saved heads on the held-back answers
 
     python examples/train_medusa.py generate --split train --max-tokens 256
@@ -58,8 +58,8 @@ def _load_hidden(args, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def cmd_hidden(args):
   """The frozen target's final hidden states at every answer position, cached (float16)."""
-  from jinfer.spec.medusa_train import answer_hidden
-  from jinfer.weights.loader import load_model
+  from jinfer.training.medusa_train import answer_hidden
+  from jinfer.loader import load_model
   config, params, _ = load_model(TARGET, load_tokenizer=False)
   for split in args.splits.split(","):
     seqs, starts = load_seqs(_path(args, f"{split}.npz"))
@@ -86,11 +86,11 @@ def cmd_hidden(args):
 def cmd_train(args):
   import jax
   import jax.numpy as jnp
-  from jinfer.spec.distill import draft_vocab
-  from jinfer.spec.medusa_heads import init_heads, save_heads
-  from jinfer.spec.medusa_train import (MedusaTrainConfig, MedusaTrainer, head_targets,
+  from jinfer.training.distill import draft_vocab
+  from jinfer.engine.speculative.medusa_heads import init_heads, save_heads
+  from jinfer.training.medusa_train import (MedusaTrainConfig, MedusaTrainer, head_targets,
                                         vocab_index)
-  from jinfer.weights.loader import load_model
+  from jinfer.loader import load_model
 
   config, tparams, tok = load_model(TARGET)
   hidden, tokens, offsets = _load_hidden(args, "train")
@@ -170,9 +170,9 @@ def cmd_train(args):
 def cmd_eval(args):
   """Per-head top-1 / top-5 (and rank histogram) of saved heads on the held-back answers."""
   import jax
-  from jinfer.spec.medusa_heads import load_heads, top_candidates, with_rows
-  from jinfer.spec.medusa_train import RANKS, accuracy, head_targets
-  from jinfer.weights.loader import load_model
+  from jinfer.engine.speculative.medusa_heads import load_heads, top_candidates, with_rows
+  from jinfer.training.medusa_train import RANKS, accuracy, head_targets
+  from jinfer.loader import load_model
   config, tparams, _ = load_model(TARGET, load_tokenizer=False)
   params, meta = load_heads(args.heads, config)
   params = with_rows(params, tparams["embedding"])

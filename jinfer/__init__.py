@@ -3,7 +3,7 @@ from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.request import CompletionOutput, RequestOutput
 from jinfer.llm import LLM
-from jinfer.sampling_params import SamplingParams
+from jinfer.sampling.params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
            "CompletionOutput"]

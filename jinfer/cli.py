@@ -6,7 +6,7 @@ import logging
 import sys
 
 from jinfer.serving.options import ServerOptions
-from jinfer.weights.loader import DEFAULT_MODEL
+from jinfer.loader import DEFAULT_MODEL
 
 
 def _engine(args):
@@ -22,7 +22,7 @@ def _engine(args):
 
 
 def _params(args):
-  from jinfer.sampling_params import SamplingParams
+  from jinfer.sampling.params import SamplingParams
   return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         max_tokens=args.max_tokens, seed=args.seed)
 

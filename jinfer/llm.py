@@ -11,8 +11,8 @@ from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.request import RequestOutput
 from jinfer.parallel import distributed
 from jinfer.parallel.distributed import DistributedConfig
-from jinfer.sampling_params import SamplingParams
-from jinfer.weights.loader import DEFAULT_MODEL
+from jinfer.sampling.params import SamplingParams
+from jinfer.loader import DEFAULT_MODEL
 
 
 class LLM:

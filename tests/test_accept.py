@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jinfer import accept as accept_mod
-from jinfer.accept import VerifyTensors, accept
-from jinfer.sample import SamplingTensors, sample
-from jinfer.spec.tree import Tree
+from jinfer.sampling import accept as accept_mod
+from jinfer.sampling.accept import VerifyTensors, accept
+from jinfer.sampling.sample import SamplingTensors, sample
+from jinfer.sampling.tree import Tree
 
 V, K = 4, 2  # live vocabulary and drafts per step: the first K+1 tokens have V**(K+1) outcomes
 PAD = 24  # the model's vocabulary: tokens V.. never come out (top-N logprobs need >= 20)

@@ -12,7 +12,7 @@ from jinfer.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFu
                                         RequestAbortedError, RequestFailedError, collect)
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
-from jinfer.sampling_params import SamplingParams
+from jinfer.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

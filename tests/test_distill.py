@@ -9,10 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from jinfer.sampling_params import SamplingParams
-from jinfer.spec.distill import (DistillConfig, Trainer, draft_vocab, init_draft,
+from jinfer.sampling.params import SamplingParams
+from jinfer.training.distill import (DistillConfig, Trainer, draft_vocab, init_draft,
                                  sequence_targets)
-from jinfer.spec.draft_checkpoint import load_draft, save_draft
+from jinfer.engine.speculative.draft_checkpoint import load_draft, save_draft
 from tests.engine_fixtures import CompileCounter, make_engine
 
 

@@ -7,7 +7,7 @@ import functools
 import numpy as np
 import pytest
 
-from jinfer.sampling_params import SamplingParams
+from jinfer.sampling.params import SamplingParams
 from tests.engine_fixtures import (CompileCounter, make_engine, random_prompts, run_tokens,
                                    tiny_loaded)
 from tests.paged_batch import PagedBatch

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from jinfer.sampling_params import SamplingParams
+from jinfer.sampling.params import SamplingParams
 from tests.engine_fixtures import make_engine
 from tests.fuzz import INT_EDGES, fuzz_settings, one_edge, sampling_fields
 

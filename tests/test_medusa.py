@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from jinfer.accept import Typical, VerifyTensors, accept
+from jinfer.sampling.accept import Typical, VerifyTensors, accept
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.models import CausalLM
 from jinfer.models.kernel_options import KernelOptions
-from jinfer.sample import SamplingTensors
-from jinfer.sampling_params import SamplingParams
-from jinfer.spec import medusa_heads as mh
-from jinfer.spec.config import SpeculativeConfig
-from jinfer.spec.medusa import keep_path
-from jinfer.spec.tree import (Tree, best_choices, chain_choices, default_choices,
+from jinfer.sampling.sample import SamplingTensors
+from jinfer.sampling.params import SamplingParams
+from jinfer.engine.speculative import medusa_heads as mh
+from jinfer.engine.speculative.config import SpeculativeConfig
+from jinfer.engine.speculative.medusa import keep_path
+from jinfer.sampling.tree import (Tree, best_choices, chain_choices, default_choices,
                               expected_length)
 from pallas_kernels import AttentionMetadata, KVCacheSpec
 from tests.engine_fixtures import (CompileCounter, assert_batch_matches, make_engine,

@@ -13,7 +13,7 @@ import transformers
 from jinfer.bench.offline import RandomWorkload, run_offline
 from jinfer.config import ModelConfig
 from jinfer.models import param_shapes
-from jinfer.sampling_params import SamplingParams
+from jinfer.sampling.params import SamplingParams
 from jinfer.weights.safetensors_dir import load_safetensors_dir
 from tests.engine_fixtures import CompileCounter, make_engine, run_tokens
 

@@ -27,7 +27,7 @@ from jinfer.models import param_shapes
 from jinfer.parallel import sharding
 from jinfer.parallel.attention import paged_attention
 from jinfer.parallel.mesh import ParallelConfig, make_mesh
-from jinfer.sampling_params import SamplingParams
+from jinfer.sampling.params import SamplingParams
 from pallas_kernels import AttentionMetadata
 from tests.engine_fixtures import CompileCounter
 

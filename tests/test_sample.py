@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jinfer.sample import SamplingTensors, _argmax, sample
+from jinfer.sampling.sample import SamplingTensors, _argmax, sample
 
 V = 40
 N = 4000  # draws, one row each: the same logits under different seeds

@@ -10,7 +10,7 @@ import pytest
 from jinfer.engine.block_manager import BlockManager
 from jinfer.engine.request import RequestMetrics, Sequence, Status
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
-from jinfer.sampling_params import SamplingParams
+from jinfer.sampling.params import SamplingParams
 
 
 def _check(sched: Scheduler, blocks: BlockManager, batch, cfg: SchedulerConfig):

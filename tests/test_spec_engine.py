@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jinfer.accept import VerifyTensors
+from jinfer.sampling.accept import VerifyTensors
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.request import RequestMetrics, Sequence
-from jinfer.sampling_params import SamplingParams
-from jinfer.spec import pause
-from jinfer.spec.draft_model import _sample_draft
-from jinfer.spec.ngram import lookup
+from jinfer.sampling.params import SamplingParams
+from jinfer.engine.speculative import pause
+from jinfer.engine.speculative.draft_model import _sample_draft
+from jinfer.engine.speculative.ngram import lookup
 from tests.engine_fixtures import (CompileCounter, assert_batch_matches, make_engine,
                                    prefix_sharing_prompts, random_prompts, run_tokens,
                                    tiny_loaded)

@@ -15,12 +15,12 @@ import torch
 import transformers
 from scipy import stats
 
-from jinfer import accept as accept_mod
+from jinfer.sampling import accept as accept_mod
 from jinfer.config import ModelConfig
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
-from jinfer.sampling_params import SamplingParams
-from jinfer.spec import medusa_heads as medusa_heads_mod
+from jinfer.sampling.params import SamplingParams
+from jinfer.engine.speculative import medusa_heads as medusa_heads_mod
 from jinfer.weights.safetensors_dir import load_safetensors_dir
 
 V, K, N = 64, 3, 2000  # vocabulary, drafts per step, samples per distribution

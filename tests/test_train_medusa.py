@@ -12,9 +12,9 @@ import pytest
 
 from jinfer.models import CausalLM
 from jinfer.models.kernel_options import KernelOptions
-from jinfer.spec.distill import draft_vocab
-from jinfer.spec.medusa_heads import head_logits, init_heads, load_heads, save_heads, with_rows
-from jinfer.spec.medusa_train import (RANKS, MedusaTrainConfig, MedusaTrainer, accuracy,
+from jinfer.training.distill import draft_vocab
+from jinfer.engine.speculative.medusa_heads import head_logits, init_heads, load_heads, save_heads, with_rows
+from jinfer.training.medusa_train import (RANKS, MedusaTrainConfig, MedusaTrainer, accuracy,
                                       answer_hidden, head_targets, vocab_index)
 from pallas_kernels import AttentionMetadata
 
@@ -125,7 +125,7 @@ def test_train_steps_identity_init_and_round_trip(tiny_model, tmp_path):
 
 @pytest.mark.slow  # loads the real SmolLM2 weights
 def test_committed_checkpoint_fits_smollm2():
-  from jinfer.weights.loader import load_model
+  from jinfer.loader import load_model
   if not os.path.isdir(CHECKPOINT):
     pytest.skip("no committed Medusa checkpoint")
   config, params, _ = load_model("smollm2-135m-instruct", load_tokenizer=False)

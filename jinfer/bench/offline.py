@@ -14,7 +14,7 @@ import numpy as np
 
 from jinfer.bench.machine import machine_info
 from jinfer.engine.engine import LLMEngine
-from jinfer.sampling_params import SamplingParams
+from jinfer.sampling.params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,7 @@ from typing import AsyncIterator, Callable, TypeVar
 
 from jinfer.engine.engine import EngineStats, LLMEngine
 from jinfer.engine.request import RequestOutput
-from jinfer.sampling_params import SamplingParams
+from jinfer.sampling.params import SamplingParams
 from jinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ from jinfer.engine.engine import EngineStats, LLMEngine
 from jinfer.engine.engine_config import EngineConfig, default_dtype
 from jinfer.engine.request import RequestOutput
 from jinfer.parallel.mesh import data_parallel_devices
-from jinfer.sampling_params import SamplingParams
+from jinfer.sampling.params import SamplingParams
 from jinfer.tokenizer import Tokenizer
-from jinfer.weights.loader import load_model
+from jinfer.loader import load_model
 
 
 class DataParallelEngine:

@@ -23,15 +23,15 @@ from jinfer.models import linear_kernels
 from jinfer.parallel.mesh import make_mesh
 from jinfer.parallel.sharding import check_tensor_parallel, duplicate_kv_heads
 from jinfer.quant.qarray import quantize_params
-from jinfer.sample import SampleOutput
-from jinfer.sampling_params import SamplingParams
-from jinfer.spec.medusa import MedusaProposer
-from jinfer.spec.ngram import NgramProposer
-from jinfer.spec.pause import after_verify, paused
-from jinfer.spec.proposer import Proposer
-from jinfer.spec.stats import SpecStats
+from jinfer.sampling.sample import SampleOutput
+from jinfer.sampling.params import SamplingParams
+from jinfer.engine.speculative.medusa import MedusaProposer
+from jinfer.engine.speculative.ngram import NgramProposer
+from jinfer.engine.speculative.pause import after_verify, paused
+from jinfer.engine.speculative.proposer import Proposer
+from jinfer.engine.speculative.stats import SpecStats
 from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
-from jinfer.weights.loader import DEFAULT_MODEL, load_model
+from jinfer.loader import DEFAULT_MODEL, load_model
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class LLMEngine:
     if spec.method == "ngram":
       return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                            spec.prompt_lookup_max)
-    from jinfer.spec.draft_model import DraftModelProposer
+    from jinfer.engine.speculative.draft_model import DraftModelProposer
     return DraftModelProposer.load(spec, model_config, params, tokenizer, self.config,
                                    self.buckets, dtype)
 

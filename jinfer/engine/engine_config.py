@@ -13,7 +13,7 @@ from jinfer.engine.scheduler import SchedulerConfig
 from jinfer.engine.step_input import Buckets
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.parallel.mesh import ParallelConfig
-from jinfer.spec.config import SpeculativeConfig
+from jinfer.engine.speculative.config import SpeculativeConfig
 from pallas_kernels import KVCacheSpec, default_backend
 from pallas_kernels.grouped_matmul import default_backend as default_grouped_matmul_backend
 

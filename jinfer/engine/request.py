@@ -5,7 +5,7 @@ import dataclasses
 import enum
 import time
 
-from jinfer.sampling_params import SamplingParams
+from jinfer.sampling.params import SamplingParams
 
 
 class Status(enum.Enum):
@@ -73,7 +73,7 @@ class Sequence:
   # tokens (stale once the sequence has more or fewer).
   candidates: object = None
   candidates_at: int = -1
-  # Speculation's pause (`jinfer/spec/pause.py`): the moving average of drafts accepted per
+  # Speculation's pause (`jinfer/engine/speculative/pause.py`): the moving average of drafts accepted per
   # verify step, and the length below which the sequence does not speculate.
   accepted_avg: float | None = None
   paused_until: int = 0

@@ -12,7 +12,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jinfer.accept import accept
+from jinfer.sampling.accept import accept
 from jinfer.config import ModelConfig
 from jinfer.engine import compilation_cache
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
@@ -20,10 +20,10 @@ from jinfer.models import CausalLM, logical_axes, unstack_layers
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.parallel import distributed, sharding
 from jinfer.quant.qarray import param_bytes
-from jinfer.sample import SampleOutput, sample
-from jinfer.sampling_params import MAX_LOGPROBS
-from jinfer.spec.medusa import MedusaProposer, MedusaStep, keep_path
-from jinfer.spec.tree import Tree
+from jinfer.sampling.sample import SampleOutput, sample
+from jinfer.sampling.params import MAX_LOGPROBS
+from jinfer.engine.speculative.medusa import MedusaProposer, MedusaStep, keep_path
+from jinfer.sampling.tree import Tree
 from pallas_kernels import KVCacheSpec
 
 log = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ read.
 With speculative decoding (k drafts), a step where some sequence verifies drafts is a verify
 step, a second variant per `T`: each such sequence's rows are `[last, d1..dm]` (m <= k, verify
 rows of the attention contract, `verify_width = k + 1`), and logits come out at
-`R = min(T, S * (k + 1))` rows, every sequence's chain of m + 1 rows (see `jinfer/accept.py`).
+`R = min(T, S * (k + 1))` rows, every sequence's chain of m + 1 rows (see `jinfer/sampling/accept.py`).
 With a candidate tree (Medusa) the m drafts are the tree's first m nodes: their rows sit at
-positions by depth and see their ancestors (the tree mask), see `jinfer/spec/tree.py`.
+positions by depth and see their ancestors (the tree mask), see `jinfer/sampling/tree.py`.
 """
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ import jax
 import numpy as np
 from flax import struct
 
-from jinfer.accept import VerifyTensors
+from jinfer.sampling.accept import VerifyTensors
 from jinfer.engine.request import Sequence
 from jinfer.engine.scheduler import ScheduledBatch
-from jinfer.sample import SamplingTensors
-from jinfer.spec.tree import Tree
+from jinfer.sampling.sample import SamplingTensors
+from jinfer.sampling.tree import Tree
 from pallas_kernels import AttentionMetadata
 
 MAX_BANNED = 16  # EOS and stop token ids suppressed while min_tokens is not reached

@@ -9,7 +9,7 @@ from typing import AsyncIterator
 from jinfer.engine.async_engine import (AsyncLLMEngine, EngineDeadError, RequestAbortedError,
                                         RequestFailedError, RequestStream)
 from jinfer.engine.request import CompletionOutput, RequestOutput
-from jinfer.sampling_params import SamplingParams
+from jinfer.sampling.params import SamplingParams
 from jinfer.serving.errors import BadRequest
 from jinfer.serving.metrics import ServerMetrics
 from jinfer.serving.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-from jinfer.sampling_params import MAX_LOGPROBS, SamplingParams
+from jinfer.sampling.params import MAX_LOGPROBS, SamplingParams
 
 
 def _show(v: Any) -> str:

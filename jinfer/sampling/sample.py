@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jinfer.sampling_params import MAX_LOGPROBS
+from jinfer.sampling.params import MAX_LOGPROBS
 
 
 @struct.dataclass

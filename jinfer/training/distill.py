@@ -28,7 +28,7 @@ import optax
 from jinfer.config import ModelConfig
 from jinfer.models import CausalLM
 from jinfer.models.kernel_options import KernelOptions
-from jinfer.spec.draft_checkpoint import draft_config
+from jinfer.engine.speculative.draft_checkpoint import draft_config
 from pallas_kernels import AttentionMetadata
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from jinfer.engine.scheduler import ScheduledBatch
-from jinfer.spec.proposer import Proposer
+from jinfer.engine.speculative.proposer import Proposer
 
 
 def lookup(tokens: np.ndarray, lo: int, hi: int, k: int) -> np.ndarray:

@@ -4,7 +4,7 @@ Every step that ends with a new token for a sequence also runs the Medusa heads 
 hidden state that chose it (the plain step's logits row, or the verify step's stop node) and
 returns each head's top candidates with the tokens. The next step fills the sequence's verify
 rows with the candidate tree built from them (`fill`, on the host, like n-gram lookup) and
-verifies it with `jinfer.accept.accept`; the accepted path's K/V moves to the slots of its
+verifies it with `jinfer.sampling.accept.accept`; the accepted path's K/V moves to the slots of its
 depths in the same jit (`keep_path`). So Medusa costs no pass of its own: the heads' few rows
 and a wider verify step.
 """
@@ -17,16 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.accept import Typical, VerifyOutput
+from jinfer.sampling.accept import Typical, VerifyOutput
 from jinfer.config import ModelConfig
 from jinfer.engine.request import Sequence
 from jinfer.engine.scheduler import ScheduledBatch
 from jinfer.models import lm_head
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.quant.qarray import QArray, param_bytes
-from jinfer.spec import medusa_heads
-from jinfer.spec.proposer import Proposer
-from jinfer.spec.tree import Tree
+from jinfer.engine.speculative import medusa_heads
+from jinfer.engine.speculative.proposer import Proposer
+from jinfer.sampling.tree import Tree
 from pallas_kernels import AttentionMetadata
 from pallas_kernels.kv_cache_layout import copy_slots
 

@@ -24,8 +24,8 @@ import optax
 from jinfer.config import ModelConfig
 from jinfer.models import CausalLM
 from jinfer.models.kernel_options import KernelOptions
-from jinfer.spec.distill import _forward
-from jinfer.spec.medusa_heads import head_logits, top_candidates
+from jinfer.training.distill import _forward
+from jinfer.engine.speculative.medusa_heads import head_logits, top_candidates
 
 RANKS = 10  # candidates per head the rank histogram covers
 DECAY = 0.8  # Medusa-1's per-head loss weight: head k counts 0.8**k

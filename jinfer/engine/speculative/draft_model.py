@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jinfer.accept import VerifyTensors, row_tensors
+from jinfer.sampling.accept import VerifyTensors, row_tensors
 from jinfer.config import ModelConfig
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.request import Sequence
@@ -33,12 +33,12 @@ from jinfer.engine.scheduler import ScheduledBatch
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
 from jinfer.models import CausalLM, unstack_layers
 from jinfer.quant.qarray import param_bytes
-from jinfer.sample import SamplingTensors, _argmax, any_penalty, ban, choose, penalize
-from jinfer.spec.config import SpeculativeConfig
-from jinfer.spec.draft_checkpoint import is_draft_checkpoint, load_draft
-from jinfer.spec.proposer import Proposer
+from jinfer.sampling.sample import SamplingTensors, _argmax, any_penalty, ban, choose, penalize
+from jinfer.engine.speculative.config import SpeculativeConfig
+from jinfer.engine.speculative.draft_checkpoint import is_draft_checkpoint, load_draft
+from jinfer.engine.speculative.proposer import Proposer
 from jinfer.tokenizer import Tokenizer
-from jinfer.weights.loader import load_model
+from jinfer.loader import load_model
 from pallas_kernels import AttentionMetadata, KVCacheSpec
 from pallas_kernels.kv_cache_layout import SINK_PAGE
 
@@ -63,7 +63,7 @@ def _sample_draft(logits: jax.Array, st: SamplingTensors, vt: VerifyTensors, voc
   """The draft's token [S] for chain index `vt.row_depth` of every sequence: the request's
   processing over the draft's logits [S, Vd] (-inf outside its vocabulary), then its argmax or a
   draw with the very random number the target draws that token with. The target accepts a draft
-  only where its own draw is the same token (`jinfer/accept.py`); sharing the number makes the
+  only where its own draw is the same token (`jinfer/sampling/accept.py`); sharing the number makes the
   two draws agree wherever the draft's distribution is close to the target's."""
   s = logits.shape[0]
   rst = row_tensors(st, vt, with_history=False)
