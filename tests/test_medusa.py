@@ -21,7 +21,7 @@ from jinfer.sampling.sample import SamplingTensors
 from jinfer.sampling.params import SamplingParams
 from jinfer.engine.speculative import medusa_heads as mh
 from jinfer.engine.speculative.config import SpeculativeConfig
-from jinfer.engine.speculative.medusa import keep_path
+from jinfer.engine.runner import keep_path
 from jinfer.sampling.tree import (Tree, best_choices, chain_choices, default_choices,
                               expected_length)
 from pallas_kernels import AttentionMetadata, KVCacheSpec

@@ -25,10 +25,9 @@ from jinfer.parallel.sharding import check_tensor_parallel, duplicate_kv_heads
 from jinfer.quant.qarray import quantize_params
 from jinfer.sampling.sample import SampleOutput
 from jinfer.sampling.params import SamplingParams
-from jinfer.engine.speculative.medusa import MedusaProposer
-from jinfer.engine.speculative.ngram import NgramProposer
 from jinfer.engine.speculative.pause import after_verify, paused
-from jinfer.engine.speculative.proposer import Proposer
+from jinfer.engine.speculative.proposer import Proposer, Target
+from jinfer.engine.speculative.registry import create_proposer
 from jinfer.engine.speculative.stats import SpecStats
 from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 from jinfer.loader import DEFAULT_MODEL, load_model
@@ -115,14 +114,8 @@ class LLMEngine:
     spec = config.speculative_config
     self.proposer: Proposer | None = None
     self.spec_stats = None
-    if spec is not None:
-      if jax.process_count() > 1:
-        raise ValueError("speculative decoding does not run on several processes yet")
-      if spec.method != "medusa":  # Medusa's heads run in the target's step: made below
-        self.proposer = self._make_proposer(spec, model_config, params, tokenizer, dtype)
-      # Positions are depths: a tree's are fewer than its heads where it is shallow.
-      self.spec_stats = SpecStats(spec.tree().max_depth if spec.tree() else
-                                  spec.num_speculative_tokens)
+    if spec is not None and jax.process_count() > 1:
+      raise ValueError("speculative decoding does not run on several processes yet")
     self.scheduler = Scheduler(config.scheduler_config(), self.blocks,
                                lookahead=self._lookahead if spec is not None else None)
     if jax.process_count() > 1 and (par.data_parallel_size > 1 or
@@ -130,23 +123,32 @@ class LLMEngine:
       raise ValueError(f"with several processes the mesh spans every device: "
                        f"tensor_parallel_size x context_parallel_size must be "
                        f"{jax.device_count()}, and data_parallel_size 1")
-    run_config, mesh = model_config, None
+    run_config, run_params, mesh = model_config, params, None
     if par.is_parallel or devices is not None:
       check_tensor_parallel(model_config, par.tensor_parallel_size,
                             par.enable_expert_parallel)
-      run_config, params = duplicate_kv_heads(model_config, params, par.tensor_parallel_size)
+      run_config, run_params = duplicate_kv_heads(model_config, params,
+                                                  par.tensor_parallel_size)
       mesh = make_mesh(par, devices)
     # One device gets no mesh in the kernels: attention skips the per-shard wrapper.
     kernels = config.kernel_options(mesh if par.is_parallel else None)
     if config.quantization:
-      params = quantize_params(params, linear_kernels(run_config, kernels.int8_transposed))
-    if spec is not None and spec.method == "medusa":
-      self.proposer = MedusaProposer.load(spec, run_config, params, kernels, dtype)
-    self.runner = ModelRunner(run_config, params, config.kv_spec(run_config, dtype),
+      run_params = quantize_params(run_params,
+                                   linear_kernels(run_config, kernels.int8_transposed))
+    if spec is not None:
+      self.proposer = create_proposer(spec, Target(
+          config=model_config, params=params, run_config=run_config, run_params=run_params,
+          kernels=kernels, tokenizer=tokenizer, engine_config=config, buckets=self.buckets,
+          dtype=dtype))
+      # Positions are depths: a tree's are fewer than its nodes.
+      self.spec_stats = SpecStats(self.proposer.max_depth)
+    del params  # the proposer took what it shares; the runner keeps the params it runs
+    self.runner = ModelRunner(run_config, run_params, config.kv_spec(run_config, dtype),
                               self.buckets, kernels=kernels, dtype=dtype,
                               unrolled_max_tokens=config.unrolled_max_tokens(), mesh=mesh,
                               expert_parallel=config.enable_expert_parallel,
-                              medusa=self.proposer if spec and spec.method == "medusa" else None)
+                              in_step=self.proposer and self.proposer.in_step,
+                              in_step_weights=self.proposer and self.proposer.in_step_weights)
     self.groups: dict[str, _Group] = {}
     self._seed_rng = np.random.default_rng(config.seed)
     self._ids = itertools.count()
@@ -154,15 +156,6 @@ class LLMEngine:
     self.expert_tokens = (np.zeros((len(model_config.moe_layer_ids), model_config.num_experts),
                                    np.int64) if model_config.moe_layer_ids else None)
     self.warmup_seconds = self._warmup() if warmup else 0.0
-
-  def _make_proposer(self, spec, model_config: ModelConfig, params: dict,
-                     tokenizer: Tokenizer | None, dtype) -> Proposer:
-    if spec.method == "ngram":
-      return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                           spec.prompt_lookup_max)
-    from jinfer.engine.speculative.draft_model import DraftModelProposer
-    return DraftModelProposer.load(spec, model_config, params, tokenizer, self.config,
-                                   self.buckets, dtype)
 
   def _warmup(self) -> float:
     t0 = time.monotonic()

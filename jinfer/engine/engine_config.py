@@ -73,9 +73,10 @@ class EngineConfig:
       raise ValueError("max_num_batched_tokens must be a power of two (it is the largest bucket)")
     cp = self.parallel_config().context_parallel_size
     spec = self.speculative_config
-    if cp > 1 and spec is not None and spec.method == "medusa":
-      raise ValueError("Medusa does not run with context parallelism yet: the ring attention "
-                       "takes no tree mask (use context_parallel_size=1)")
+    if cp > 1 and spec is not None and spec.tree() is not None:
+      raise ValueError(f"{spec.method} verifies a tree, which does not run with context "
+                       f"parallelism yet: the ring attention takes no tree mask (use "
+                       f"context_parallel_size=1)")
     if cp & (cp - 1):
       raise ValueError(f"context_parallel_size must be a power of two, got {cp}")
     if self.max_num_batched_tokens < 2 * cp:

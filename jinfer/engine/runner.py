@@ -12,9 +12,10 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jinfer.sampling.accept import accept
+from jinfer.sampling.accept import VerifyOutput, accept
 from jinfer.config import ModelConfig
 from jinfer.engine import compilation_cache
+from jinfer.engine.speculative.proposer import InStep
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
 from jinfer.models import CausalLM, logical_axes, unstack_layers
 from jinfer.models.kernel_options import KernelOptions
@@ -22,9 +23,9 @@ from jinfer.parallel import distributed, sharding
 from jinfer.quant.qarray import param_bytes
 from jinfer.sampling.sample import SampleOutput, sample
 from jinfer.sampling.params import MAX_LOGPROBS
-from jinfer.engine.speculative.medusa import MedusaProposer, MedusaStep, keep_path
 from jinfer.sampling.tree import Tree
-from pallas_kernels import KVCacheSpec
+from pallas_kernels import AttentionMetadata, KVCacheSpec
+from pallas_kernels.kv_cache_layout import copy_slots
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ class StepOutput:
   # the target's token.
   sample: SampleOutput
   num_accepted: jax.Array | None  # [S] int32, verify steps only
-  # Medusa: each sequence's candidates [S, H, topk] for the token after this step's last one.
+  # An in-step proposer's proposals for each sequence's next step (Medusa: candidates
+  # [S, H, topk] for the token after this step's last one).
   proposals: jax.Array | None
   prompt_logprobs: PromptLogprobs | None  # when the step carries prompt_logprobs requests
   # [MoE layers, experts] int32: tokens this step routed to each expert (live rows only);
@@ -55,23 +57,37 @@ def _expert_load(state) -> jax.Array | None:
   return None if load is None else load["tokens_per_expert"][0]
 
 
-def _step(model: CausalLM, medusa: MedusaStep | None, params, kv_cache, inp: StepInput,
-          drafts: jax.Array | None, heads: dict | None) -> tuple:
-  """`medusa` (static) and `heads`: the target proposes its next step's candidates too."""
+def keep_path(kv_cache: jax.Array, md: AttentionMetadata, out: VerifyOutput) -> jax.Array:
+  """Move each sequence's accepted path to the slots of its depths: node n of sequence s wrote
+  its K/V at the slot of row cu_q_lens[s] + n; the node at depth d belongs at row
+  cu_q_lens[s] + d."""
+  d = jnp.arange(1, out.path.shape[1])[None, :]  # [1, D]
+  first = md.cu_q_lens[:-1, None]  # [S, 1]
+  src = md.slot_mapping[first + out.path[:, 1:]]  # [S, D]
+  dst = md.slot_mapping[first + d]
+  move = (d <= out.num_accepted[:, None]) & (out.path[:, 1:] != d)
+  return copy_slots(kv_cache, src.reshape(-1), jnp.where(move, dst, -1).reshape(-1))
+
+
+
+def _step(model: CausalLM, in_step: InStep | None, params, kv_cache, inp: StepInput,
+          drafts: jax.Array | None, weights: dict | None) -> tuple:
+  """`in_step` (static) and its `weights`: the target proposes its next step's drafts too, and
+  verifies them as a tree."""
   token_ids = inp.token_ids
   if drafts is not None:  # a device proposer's tokens take their verify rows
     token_ids = token_ids.at[inp.verify.draft_rows].set(drafts, mode="drop")
   apply = functools.partial(model.apply, {"params": params}, token_ids, inp.positions,
-                            kv_cache, inp.md, return_hidden=medusa is not None,
+                            kv_cache, inp.md, return_hidden=in_step is not None,
                             mutable=["expert_load"])
-  propose = lambda h: None if medusa is None else medusa.propose(heads, params, h)
+  propose = lambda h: None if in_step is None else in_step.propose(weights, params, h)
   if inp.verify is not None:
     vt = inp.verify.tensors
     if drafts is not None:
       vt = vt.replace(draft_tokens=drafts)
     (logits, hidden, kv_cache), state = apply(inp.verify.logits_rows)  # [R, V]
-    if medusa is not None:
-      out = accept(logits, inp.sampling, vt, medusa.tree, medusa.typical)
+    if in_step is not None:
+      out = accept(logits, inp.sampling, vt, in_step.tree, in_step.typical)
       kv_cache = keep_path(kv_cache, inp.md, out)
       proposals = propose(hidden[out.stop_row])
     else:
@@ -108,7 +124,8 @@ class ModelRunner:
 
   def __init__(self, config: ModelConfig, params: dict, spec: KVCacheSpec, buckets: Buckets, *,
                kernels: KernelOptions, dtype, unrolled_max_tokens: int,
-               medusa: MedusaProposer | None = None, mesh: Mesh | None = None,
+               in_step: InStep | None = None, in_step_weights: dict | None = None,
+               mesh: Mesh | None = None,
                expert_parallel: bool = False):
     self.config, self.spec, self.buckets, self.mesh = config, spec, buckets, mesh
     out_shardings = None
@@ -121,8 +138,8 @@ class ModelRunner:
       unrolled_max_tokens = 0
     self.unrolled_max_tokens = unrolled_max_tokens
     # The cache is donated: XLA updates it in place instead of copying it every step.
-    self.heads = None if medusa is None else medusa.heads
-    jit = lambda model: jax.jit(functools.partial(_step, model, medusa and medusa.step),
+    self.in_step_weights = in_step_weights
+    jit = lambda model: jax.jit(functools.partial(_step, model, in_step),
                                 donate_argnums=(1,), out_shardings=out_shardings)
     scanned = buckets.token_buckets[-1] > unrolled_max_tokens
     self.model = CausalLM(config, kernels, dtype=dtype, scan_layers=scanned)
@@ -174,9 +191,9 @@ class ModelRunner:
     try:
       if self._small is not None and inp.token_ids.shape[0] <= self.unrolled_max_tokens:
         out, self.kv_cache = self._small[0](self._small[1], self.kv_cache, inp, drafts,
-                                            self.heads)
+                                            self.in_step_weights)
       else:
-        out, self.kv_cache = self._step(self.params, self.kv_cache, inp, drafts, self.heads)
+        out, self.kv_cache = self._step(self.params, self.kv_cache, inp, drafts, self.in_step_weights)
     except Exception:
       # The cache was donated to the failed call: if XLA consumed it, start from an empty one
       # (the caller must then treat every cached token as gone).

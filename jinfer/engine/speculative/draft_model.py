@@ -36,8 +36,7 @@ from jinfer.quant.qarray import param_bytes
 from jinfer.sampling.sample import SamplingTensors, _argmax, any_penalty, ban, choose, penalize
 from jinfer.engine.speculative.config import SpeculativeConfig
 from jinfer.engine.speculative.draft_checkpoint import is_draft_checkpoint, load_draft
-from jinfer.engine.speculative.proposer import Proposer
-from jinfer.tokenizer import Tokenizer
+from jinfer.engine.speculative.proposer import Proposer, Target
 from jinfer.loader import load_model
 from pallas_kernels import AttentionMetadata, KVCacheSpec
 from pallas_kernels.kv_cache_layout import SINK_PAGE
@@ -146,27 +145,27 @@ class DraftModelProposer(Proposer):
                             static_argnums=(0,), donate_argnums=(4,))
 
   @classmethod
-  def load(cls, spec: SpeculativeConfig, target: ModelConfig, target_params: dict,
-           tokenizer: Tokenizer | None, engine_config: EngineConfig, buckets: Buckets,
-           dtype) -> "DraftModelProposer":
+  def create(cls, spec: SpeculativeConfig, target: Target) -> "DraftModelProposer":
     """A distilled draft checkpoint (sharing the target's embedding), or any model (built-in
     name, HF directory, .gguf) with the target's tokenizer."""
+    dtype, tokenizer = target.dtype, target.tokenizer
     if is_draft_checkpoint(spec.model):
-      config, params, vocab = load_draft(spec.model, target, target_params, dtype)
+      config, params, vocab = load_draft(spec.model, target.config, target.params, dtype)
     else:
       try:
         config, params, draft_tok = load_model(spec.model, dtype)
       except FileNotFoundError:  # a model directory without tokenizer files: ids must do
         config, params, draft_tok = load_model(spec.model, dtype, load_tokenizer=False)
-      if config.vocab_size != target.vocab_size or (
+      if config.vocab_size != target.config.vocab_size or (
           None not in (tokenizer, draft_tok) and draft_tok.encode(_PROBE) != tokenizer.encode(_PROBE)):
         raise ValueError(f"speculative_config: the draft model {spec.model!r} does not share "
                          f"the target's tokenizer (vocabulary {config.vocab_size} vs "
-                         f"{target.vocab_size})")
+                         f"{target.config.vocab_size})")
       vocab = None
     log.info("draft model %s: %d layers, vocabulary %d", spec.model, config.num_layers,
              config.vocab_size if vocab is None else len(vocab))
-    return cls(spec.num_speculative_tokens, config, params, vocab, engine_config, buckets, dtype)
+    return cls(spec.num_speculative_tokens, config, params, vocab, target.engine_config,
+               target.buckets, dtype)
 
   # -- the proposer interface ---------------------------------------------------------------
   def propose(self, batch: ScheduledBatch, inp: StepInput) -> jax.Array | None:

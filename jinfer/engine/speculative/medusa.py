@@ -4,8 +4,8 @@ Every step that ends with a new token for a sequence also runs the Medusa heads 
 hidden state that chose it (the plain step's logits row, or the verify step's stop node) and
 returns each head's top candidates with the tokens. The next step fills the sequence's verify
 rows with the candidate tree built from them (`fill`, on the host, like n-gram lookup) and
-verifies it with `jinfer.sampling.accept.accept`; the accepted path's K/V moves to the slots of its
-depths in the same jit (`keep_path`). So Medusa costs no pass of its own: the heads' few rows
+verifies it with `jinfer.sampling.accept.accept`; the accepted path's K/V moves to the slots of
+its depths in the same jit (`jinfer.engine.runner.keep_path`). So Medusa costs no pass of its own: the heads' few rows
 and a wider verify step.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.sampling.accept import Typical, VerifyOutput
+from jinfer.sampling.accept import Typical
 from jinfer.config import ModelConfig
 from jinfer.engine.request import Sequence
 from jinfer.engine.scheduler import ScheduledBatch
@@ -25,10 +25,9 @@ from jinfer.models import lm_head
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.quant.qarray import QArray, param_bytes
 from jinfer.engine.speculative import medusa_heads
-from jinfer.engine.speculative.proposer import Proposer
+from jinfer.engine.speculative.config import SpeculativeConfig
+from jinfer.engine.speculative.proposer import Proposer, Target
 from jinfer.sampling.tree import Tree
-from pallas_kernels import AttentionMetadata
-from pallas_kernels.kv_cache_layout import copy_slots
 
 log = logging.getLogger(__name__)
 
@@ -47,28 +46,19 @@ class MedusaStep:
         heads, h, self.tree.topk, lambda x: lm_head(params, self.config, self.kernels, x))
 
 
-def keep_path(kv_cache: jax.Array, md: AttentionMetadata, out: VerifyOutput) -> jax.Array:
-  """Move each sequence's accepted path to the slots of its depths: node n of sequence s wrote
-  its K/V at the slot of row cu_q_lens[s] + n; the node at depth d belongs at row
-  cu_q_lens[s] + d."""
-  d = jnp.arange(1, out.path.shape[1])[None, :]  # [1, D]
-  first = md.cu_q_lens[:-1, None]  # [S, 1]
-  src = md.slot_mapping[first + out.path[:, 1:]]  # [S, D]
-  dst = md.slot_mapping[first + d]
-  move = (d <= out.num_accepted[:, None]) & (out.path[:, 1:] != d)
-  return copy_slots(kv_cache, src.reshape(-1), jnp.where(move, dst, -1).reshape(-1))
-
-
 class MedusaProposer(Proposer):
   """Host side: turns the candidates a sequence's last step proposed into its tree's tokens."""
 
   def __init__(self, tree: Tree, heads: dict, step: MedusaStep):
     super().__init__(tree.num_nodes)
-    self.tree, self.heads, self.step = tree, heads, step
+    self.tree, self.heads = tree, heads
+    self.in_step, self.in_step_weights = step, heads
 
   @classmethod
-  def load(cls, spec, target: ModelConfig, target_params: dict, kernels: KernelOptions,
-           dtype) -> "MedusaProposer":
+  def create(cls, spec: SpeculativeConfig, target: Target) -> "MedusaProposer":
+    # The heads meet the target's step as it runs: its (quantized) params, its kernels.
+    dtype, target_params, kernels = target.dtype, target.run_params, target.kernels
+    target = target.run_config
     heads, meta = medusa_heads.load_heads(spec.model, target, dtype)
     n = spec.num_speculative_tokens
     if medusa_heads.num_heads(heads) < n:
@@ -94,6 +84,10 @@ class MedusaProposer(Proposer):
     log.info("Medusa: %d heads from %s, a tree of %d nodes, depth %d", n, spec.model,
              tree.num_nodes, tree.max_depth)
     return cls(tree, heads, MedusaStep(tree, typical, target, kernels))
+
+  @property
+  def max_depth(self) -> int:
+    return self.tree.max_depth
 
   def lookahead(self, seq: Sequence, depth: int) -> int:
     if seq.candidates is None or seq.candidates_at != seq.num_tokens:

@@ -3,14 +3,15 @@ tokens appeared (Saxena's prompt lookup decoding; vLLM's `ngram` method). No mod
 
 The longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens that occurs earlier
 in the sequence (prompt and output) wins; among its occurrences the most recent, whose context
-is closest to what is being written. Its q is one-hot on the proposed tokens.
+is closest to what is being written.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from jinfer.engine.scheduler import ScheduledBatch
-from jinfer.engine.speculative.proposer import Proposer
+from jinfer.engine.speculative.config import SpeculativeConfig
+from jinfer.engine.speculative.proposer import Proposer, Target
 
 
 def lookup(tokens: np.ndarray, lo: int, hi: int, k: int) -> np.ndarray:
@@ -40,6 +41,10 @@ class NgramProposer(Proposer):
   def __init__(self, k: int, prompt_lookup_min: int, prompt_lookup_max: int):
     super().__init__(k)
     self.lo, self.hi = prompt_lookup_min, prompt_lookup_max
+
+  @classmethod
+  def create(cls, spec: SpeculativeConfig, target: Target) -> "NgramProposer":
+    return cls(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
   def fill(self, batch: ScheduledBatch) -> None:
     for i, (seq, m) in enumerate(zip(batch.seqs, batch.num_drafts)):
