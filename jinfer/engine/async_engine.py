@@ -26,6 +26,7 @@ from typing import AsyncIterator, Callable, TypeVar
 
 from jinfer.engine.engine import EngineStats, LLMEngine
 from jinfer.engine.request import RequestOutput
+from jinfer.errors import ParameterError
 from jinfer.sampling.params import SamplingParams
 from jinfer.tokenizer import Tokenizer
 
@@ -198,15 +199,16 @@ class AsyncLLMEngine:
     per_token = self.tokenizer.max_token_bytes
     size = len(prompt.encode("utf-8"))
     if per_token is not None and size > self.max_model_len * per_token:
-      raise ValueError(f"the prompt has {size} bytes, more than max_model_len "
-                       f"({self.max_model_len}) tokens can hold")
+      raise ParameterError("prompt", f"the prompt has {size} bytes, more than max_model_len "
+                                     f"({self.max_model_len}) tokens can hold")
     return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
   def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
     """Raise ValueError for a request that can never run here."""
     self.engine.validate(prompt_token_ids, params)
     if params.n > self.max_waiting:
-      raise ValueError(f"n ({params.n}) exceeds this server's queue bound ({self.max_waiting})")
+      raise ParameterError("n", f"n ({params.n}) exceeds this server's queue bound "
+                                f"({self.max_waiting})")
 
   async def prepare(self, fn: Callable[..., T], *args) -> T:
     """`fn(*args)` on a worker thread: tokenizing a long prompt or rendering a chat template

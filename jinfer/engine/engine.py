@@ -25,6 +25,7 @@ from jinfer.parallel.sharding import check_tensor_parallel, duplicate_kv_heads
 from jinfer.quant.qarray import quantize_params
 from jinfer.sampling.sample import SampleOutput
 from jinfer.sampling.params import SamplingParams
+from jinfer.errors import ParameterError
 from jinfer.engine.speculative.pause import after_verify, paused
 from jinfer.engine.speculative.proposer import Proposer, Target
 from jinfer.engine.speculative.registry import create_proposer
@@ -175,29 +176,34 @@ class LLMEngine:
     return [int(t) for t in prompt]
 
   def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-    """Raise ValueError for anything that cannot run; called before anything is queued."""
+    """Raise ParameterError (a ValueError naming the parameter at fault) for anything that
+    cannot run; called before anything is queued."""
     n = len(prompt_token_ids)
     if n == 0:
-      raise ValueError("the prompt is empty")
+      raise ParameterError("prompt", "the prompt is empty")
     vocab = self.model_config.vocab_size
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
     if bad:
-      raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+      raise ParameterError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
     if n >= self.max_model_len:
-      raise ValueError(f"the prompt has {n} tokens; max_model_len is {self.max_model_len} "
-                       f"(prompt + at least one output token must fit)")
+      raise ParameterError("prompt", f"the prompt has {n} tokens; max_model_len is "
+                                     f"{self.max_model_len} (prompt + at least one output "
+                                     f"token must fit)")
     if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-      raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                       f"max_model_len ({self.max_model_len})")
+      raise ParameterError("max_tokens", f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) "
+                                         f"exceeds max_model_len ({self.max_model_len})")
     if params.min_tokens and len(self.eos_ids) + len(params.stop_token_ids) > MAX_BANNED:
-      raise ValueError(f"min_tokens supports at most {MAX_BANNED} stop token ids")
+      raise ParameterError("min_tokens", f"min_tokens supports at most {MAX_BANNED} stop token ids")
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
     if bad:
-      raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab})")
+      raise ParameterError("stop_token_ids",
+                           f"stop token id {bad[0]} is outside the vocabulary [0, {vocab})")
     if params.stop and self.tokenizer is None:
-      raise ValueError("stop strings need a tokenizer; this engine has none (skip_tokenizer_init)")
+      raise ParameterError("stop", "stop strings need a tokenizer; this engine has none "
+                                   "(skip_tokenizer_init)")
     if params.prompt_logprobs is not None and not self.config.enable_prompt_logprobs:
-      raise ValueError("prompt_logprobs needs the engine option enable_prompt_logprobs=True")
+      raise ParameterError("prompt_logprobs",
+                           "prompt_logprobs needs the engine option enable_prompt_logprobs=True")
 
   def add_request(self, request_id: str | None, prompt: str | list[int],
                   params: SamplingParams | None = None, *, arrival_time: float | None = None,

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jinfer.config import ModelConfig
+from jinfer.errors import ParameterError
 from jinfer.engine.scheduler import SchedulerConfig
 from jinfer.engine.step_input import Buckets
 from jinfer.models.kernel_options import KernelOptions
@@ -68,20 +69,23 @@ class EngineConfig:
     for name in ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens",
                  "max_prefill_seqs"):
       if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        raise ParameterError(name, f"{name} must be >= 1, got {getattr(self, name)}")
     if self.max_num_batched_tokens & (self.max_num_batched_tokens - 1):
-      raise ValueError("max_num_batched_tokens must be a power of two (it is the largest bucket)")
+      raise ParameterError("max_num_batched_tokens", "max_num_batched_tokens must be a power of "
+                                                     "two (it is the largest bucket)")
     cp = self.parallel_config().context_parallel_size
     spec = self.speculative_config
     if cp > 1 and spec is not None and spec.tree() is not None:
-      raise ValueError(f"{spec.method} verifies a tree, which does not run with context "
-                       f"parallelism yet: the ring attention takes no tree mask (use "
-                       f"context_parallel_size=1)")
+      raise ParameterError("speculative_config", f"{spec.method} verifies a tree, which does not "
+                           f"run with context parallelism yet: the ring attention takes no tree "
+                           f"mask (use context_parallel_size=1)")
     if cp & (cp - 1):
-      raise ValueError(f"context_parallel_size must be a power of two, got {cp}")
+      raise ParameterError("context_parallel_size",
+                           f"context_parallel_size must be a power of two, got {cp}")
     if self.max_num_batched_tokens < 2 * cp:
-      raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
-                       f"least 2 x context_parallel_size ({cp}): each rank holds two chunks")
+      raise ParameterError("max_num_batched_tokens",
+                           f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
+                           f"least 2 x context_parallel_size ({cp}): each rank holds two chunks")
 
   def parallel_config(self) -> ParallelConfig:
     return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
@@ -103,8 +107,9 @@ class EngineConfig:
     """Pages of one engine's pool (over all its context ranks: a multiple of their number)."""
     if self.num_pages is not None:
       if self.num_pages - 1 < self.max_pages_per_seq:
-        raise ValueError(f"num_pages={self.num_pages} cannot hold one sequence of max_model_len="
-                         f"{self.max_model_len} ({self.max_pages_per_seq} pages + the sink page)")
+        raise ParameterError("num_pages", f"num_pages={self.num_pages} cannot hold one sequence "
+                                          f"of max_model_len={self.max_model_len} "
+                                          f"({self.max_pages_per_seq} pages + the sink page)")
       n = self.num_pages
     else:
       half = -(-self.max_model_len // 2 // self.page_size)

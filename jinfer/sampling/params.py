@@ -12,6 +12,8 @@ import numbers
 
 import numpy as np
 
+from jinfer.errors import ParameterError
+
 MAX_LOGPROBS = 20  # top-N logprobs are computed on device with this static N
 # Stop strings and ids are matched on the host after every token of every sequence: their
 # number is bounded so that one request cannot slow down the steps it shares.
@@ -29,7 +31,7 @@ def _show(v) -> str:
 
 def _int(name: str, v, lo: int, hi: int = _INT32_MAX) -> int:
   if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not lo <= v <= hi:
-    raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {_show(v)}")
+    raise ParameterError(name, f"{name} must be an integer in [{lo}, {hi}], got {_show(v)}")
   return int(v)
 
 
@@ -38,7 +40,7 @@ def _float32(name: str, v, lo: float, hi: float = _FLOAT32_MAX, *,
   """`v` as a float, checked as the float32 the device will see (so 1e300 is inf and 1e-50 is
   0): within [lo, hi], or (lo, hi] with `above_lo`."""
   if isinstance(v, bool) or not isinstance(v, numbers.Real):
-    raise ValueError(f"{name} must be a number, got {_show(v)}")
+    raise ParameterError(name, f"{name} must be a number, got {_show(v)}")
   try:
     value = float(v)
   except OverflowError:  # an integer beyond any float
@@ -49,13 +51,13 @@ def _float32(name: str, v, lo: float, hi: float = _FLOAT32_MAX, *,
     bound = f"> {lo}" if above_lo else f">= {lo}"
     bound = f"a finite float32 {bound}" if hi == _FLOAT32_MAX else f"{bound} and <= {hi}"
     rounded = f" ({x} as a float32)" if x != value and not math.isnan(value) else ""
-    raise ValueError(f"{name} must be {bound}, got {_show(v)}{rounded}")
+    raise ParameterError(name, f"{name} must be {bound}, got {_show(v)}{rounded}")
   return value
 
 
 def _bool(name: str, v) -> bool:
   if not isinstance(v, (bool, np.bool_)):
-    raise ValueError(f"{name} must be true or false, got {_show(v)}")
+    raise ParameterError(name, f"{name} must be true or false, got {_show(v)}")
   return bool(v)
 
 
@@ -105,7 +107,8 @@ class SamplingParams:
         else _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS),
         skip_special_tokens=_bool("skip_special_tokens", self.skip_special_tokens))
     if fields["max_tokens"] is not None and fields["min_tokens"] > fields["max_tokens"]:
-      raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+      raise ParameterError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens "
+                                         f"({self.max_tokens})")
     for name, value in fields.items():
       object.__setattr__(self, name, value)
 
@@ -114,9 +117,10 @@ class SamplingParams:
     if stop is None:
       return ()
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-      raise ValueError(f"stop must be a non-empty string or a list of them, got {_show(self.stop)}")
+      raise ParameterError("stop", f"stop must be a non-empty string or a list of them, got "
+                                   f"{_show(self.stop)}")
     if len(stop) > MAX_STOP:
-      raise ValueError(f"stop takes at most {MAX_STOP} strings, got {len(stop)}")
+      raise ParameterError("stop", f"stop takes at most {MAX_STOP} strings, got {len(stop)}")
     return tuple(stop)
 
   def _stop_token_ids(self) -> tuple[int, ...]:
@@ -124,13 +128,16 @@ class SamplingParams:
     if ids is None:
       return ()
     if not isinstance(ids, (list, tuple)):
-      raise ValueError(f"stop_token_ids must be a list of token ids, got {_show(ids)}")
+      raise ParameterError("stop_token_ids",
+                           f"stop_token_ids must be a list of token ids, got {_show(ids)}")
     if len(ids) > MAX_STOP:
-      raise ValueError(f"stop_token_ids takes at most {MAX_STOP} ids, got {len(ids)}")
+      raise ParameterError("stop_token_ids",
+                           f"stop_token_ids takes at most {MAX_STOP} ids, got {len(ids)}")
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)
            or not 0 <= t <= _INT32_MAX]
     if bad:
-      raise ValueError(f"stop_token_ids must be token ids in [0, {_INT32_MAX}], got {_show(bad[0])}")
+      raise ParameterError("stop_token_ids", f"stop_token_ids must be token ids in [0, "
+                                             f"{_INT32_MAX}], got {_show(bad[0])}")
     return tuple(map(int, ids))
 
   @property

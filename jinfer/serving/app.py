@@ -140,7 +140,7 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str,
     except BadRequest as e:
       raise APIError(400, str(e), param=e.param, code=e.code) from None
     except ValueError as e:
-      raise APIError(400, str(e), param=body.field_named_by(str(e))) from None
+      raise APIError(400, str(e), param=body.field_of(e)) from None
     except QueueFullError as e:
       raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
                      headers={"Retry-After": str(RETRY_AFTER_S)}) from None

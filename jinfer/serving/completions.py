@@ -113,7 +113,7 @@ class OpenAIServing:
       if too_long and ids is not None and len(ids) < self.engine.max_model_len:
         param = req.max_tokens_field  # the prompt fits; with the output asked for, it does not
       else:
-        param = req.field_named_by(msg) or field
+        param = req.field_of(e) or field
       raise BadRequest(where + msg, param=param,
                        code="context_length_exceeded" if too_long else None) from None
 

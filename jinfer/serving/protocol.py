@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
+from jinfer.errors import ParameterError
 from jinfer.sampling.params import MAX_LOGPROBS, SamplingParams
 
 
@@ -74,19 +75,19 @@ class SamplingRequest(_Request):
     """The field the request gave its output limit in."""
     return "max_tokens"
 
-  def field_named_by(self, message: str) -> str | None:
-    """The request field an error is about: the messages of SamplingParams, of the engine and
-    of the checks here open with the field's name."""
-    word = message.split(" ", 1)[0]
-    if word == "max_tokens":
+  def field_of(self, error: ValueError) -> str | None:
+    """The request field an error is about: the one a ParameterError (from SamplingParams, the
+    engine or the checks here) names, spelled as this request spells it."""
+    name = getattr(error, "param", None)
+    if name == "max_tokens":
       return self.max_tokens_field
-    return word if word in type(self).model_fields else None
+    return name if name in type(self).model_fields else None
 
   def _check_common(self):
     if self.stream_options is not None and not self.stream:
-      raise ValueError("stream_options is only allowed when stream is true")
+      raise ParameterError("stream_options", "stream_options is only allowed when stream is true")
     if self.logit_bias:
-      raise ValueError("logit_bias is not supported")
+      raise ParameterError("logit_bias", "logit_bias is not supported")
 
   def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     # SamplingParams checks every range; its messages name the field.
@@ -147,17 +148,17 @@ class CompletionRequest(SamplingRequest):
     if isinstance(p, str) or (p and isinstance(p[0], int)):
       return [p]
     if not p:
-      raise ValueError("prompt is empty")
+      raise ParameterError("prompt", "prompt is empty")
     return list(p)
 
   def sampling_params(self) -> SamplingParams:
     self._check_common()
     if self.echo:
-      raise ValueError("echo is not supported")
+      raise ParameterError("echo", "echo is not supported")
     if self.suffix:
-      raise ValueError("suffix is not supported")
+      raise ParameterError("suffix", "suffix is not supported")
     if self.best_of is not None and self.best_of != self.n:
-      raise ValueError("best_of is not supported (only best_of == n)")
+      raise ParameterError("best_of", "best_of is not supported (only best_of == n)")
     return self._sampling_params(self.max_tokens, self.logprobs)
 
 
@@ -216,14 +217,16 @@ class ChatCompletionRequest(SamplingRequest):
   def sampling_params(self) -> SamplingParams:
     self._check_common()
     if self.tools:
-      raise ValueError("tools are not supported")
+      raise ParameterError("tools", "tools are not supported")
     if self.response_format is not None and self.response_format.type != "text":
-      raise ValueError(f"response_format {self.response_format.type!r} is not supported")
+      raise ParameterError("response_format", f"response_format {self.response_format.type!r} is "
+                                              f"not supported")
     if self.top_logprobs is not None:
       if not self.logprobs:
-        raise ValueError("top_logprobs requires logprobs to be true")
+        raise ParameterError("top_logprobs", "top_logprobs requires logprobs to be true")
       if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-        raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+        raise ParameterError("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                                             f"{self.top_logprobs}")
     max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
         else self.max_tokens
     return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
