@@ -9,14 +9,82 @@ from jinfer.serving.options import ServerOptions
 from jinfer.loader import DEFAULT_MODEL
 
 
+def _engine_fields():
+  import dataclasses
+
+  from jinfer.engine.engine_config import EngineConfig
+  return dataclasses.fields(EngineConfig)
+
+
+def _field_help() -> dict[str, str]:
+  """Each engine option's help: the comment lines above its field in `EngineConfig` and the
+  comment after it, so the dataclass stays the one place an option is described."""
+  import inspect
+  import re
+
+  from jinfer.engine.engine_config import EngineConfig
+  out, above = {}, []
+  for line in inspect.getsource(EngineConfig).splitlines():
+    code, _, comment = line.partition("#")
+    field = re.match(r"\s+(\w+): ", code)
+    if field:
+      out[field.group(1)] = " ".join(above + [comment.strip()]).strip()
+      above = []
+    elif comment and not code.strip():
+      above.append(comment.strip())
+    else:
+      above = []
+  return out
+
+
+# Short flags kept from before the options were generated.
+_ALIASES = {"tensor_parallel_size": "-tp", "context_parallel_size": "-cp",
+            "data_parallel_size": "-dp"}
+
+
+def _add_engine_args(p, *, skip: tuple[str, ...] = (), **defaults):
+  """A flag per `EngineConfig` field (vLLM's names: --max-model-len, --tensor-parallel-size,
+  --speculative-config JSON, ...), help from the field's comment; `defaults` override the
+  dataclass's; `skip`: fields this command sets itself."""
+  helps = _field_help()
+  group = p.add_argument_group("engine options (see EngineConfig)")
+  for f in _engine_fields():
+    if f.name in skip:
+      continue
+    flags = ["--" + f.name.replace("_", "-")] + ([_ALIASES[f.name]] if f.name in _ALIASES else [])
+    kind = str(f.type)
+    kw = dict(default=defaults.get(f.name, f.default), help=helps.get(f.name) or None)
+    if kind == "bool":
+      kw["action"] = argparse.BooleanOptionalAction
+    elif kind == "bool | None":
+      kw.update(type=_bool, metavar="{true,false}")
+    elif kind.startswith("int"):
+      kw["type"] = int
+    elif kind.startswith("float"):
+      kw["type"] = float
+    elif f.name == "speculative_config":
+      kw["metavar"] = "JSON"
+    group.add_argument(*flags, **kw)
+
+
+def _bool(text: str) -> bool:
+  if text.lower() not in ("true", "false"):
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+  return text.lower() == "true"
+
+
+def _engine_config(args, **override):
+  from jinfer.engine.engine_config import EngineConfig
+  options = {f.name: getattr(args, f.name) for f in _engine_fields() if hasattr(args, f.name)}
+  return EngineConfig(**{**options, **override})
+
+
 def _engine(args):
   from jinfer.engine.engine import LLMEngine
-  from jinfer.engine.engine_config import EngineConfig
   # One-shot commands compile lazily: warming every bucket costs more than it saves here. The
   # one-token step is compiled up front all the same: lazily, its progress line would land in
   # the middle of the answer being streamed.
-  engine = LLMEngine(args.model, config=EngineConfig(max_model_len=args.max_model_len),
-                     warmup=False)
+  engine = LLMEngine(args.model, config=_engine_config(args), warmup=False)
   engine.runner.warmup(buckets=(1,))
   return engine
 
@@ -82,15 +150,10 @@ def cmd_bench(args):
 
   from jinfer.bench.offline import RandomWorkload, run_offline
   from jinfer.engine.engine import LLMEngine
-  from jinfer.engine.engine_config import EngineConfig
   workload = RandomWorkload(num_prompts=args.num_prompts, input_len_min=args.input_len_min,
                             input_len_max=args.input_len_max, output_len=args.output_len,
                             output_len_min=args.output_len_min, seed=args.seed)
-  config = EngineConfig(max_model_len=args.max_model_len or workload.max_len,
-                        max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        continuous_batching=not args.no_continuous_batching,
-                        **_parallel_options(args))
+  config = _engine_config(args, max_model_len=args.max_model_len or workload.max_len)
   # Warm up every bucket first, so no compile lands inside the timed run.
   engine = LLMEngine(args.model, config=config, warmup=True)
   summary = {"model": args.model, **run_offline(engine, workload)}
@@ -102,13 +165,9 @@ def cmd_bench(args):
 
 
 def cmd_serve(args):
-  from jinfer.engine.engine_config import EngineConfig
   from jinfer.serving.server import serve
   from jinfer.parallel.distributed import DistributedConfig
-  config = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        speculative_config=args.speculative_config,
-                        **_parallel_options(args))
+  config = _engine_config(args)
   dist = DistributedConfig(coordinator_address=args.coordinator_address,
                            num_processes=args.num_processes, process_id=args.process_id)
   options = ServerOptions(
@@ -121,37 +180,19 @@ def cmd_serve(args):
         distributed_config=dist)
 
 
-def _add_parallel_args(p, data_parallel: bool = True, multi_process: bool = False):
-  p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                 help="split heads, MLP and vocabulary over this many devices")
-  p.add_argument("--context-parallel-size", "-cp", type=int, default=1,
-                 help="spread each sequence's KV and each step's rows over this many devices "
-                      "(ring attention; a power of two)")
-  if data_parallel:
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="engines, each with its own page pool, behind one front end")
-  p.add_argument("--enable-expert-parallel", action="store_true",
-                 help="MoE: whole experts per tensor-parallel device instead of split each")
-  if multi_process:
-    p.add_argument("--coordinator-address", default=None,
-                   help="host:port of process 0, for one process per host")
-    p.add_argument("--num-processes", type=int, default=1)
-    p.add_argument("--process-id", type=int, default=0,
-                   help="0 serves HTTP; the others run its steps")
-
-
-def _parallel_options(args) -> dict:
-  return dict(tensor_parallel_size=args.tensor_parallel_size,
-              context_parallel_size=args.context_parallel_size,
-              data_parallel_size=getattr(args, "data_parallel_size", 1),
-              enable_expert_parallel=args.enable_expert_parallel)
+def _add_multi_process_args(p):
+  p.add_argument("--coordinator-address", default=None,
+                 help="host:port of process 0, for one process per host")
+  p.add_argument("--num-processes", type=int, default=1)
+  p.add_argument("--process-id", type=int, default=0,
+                 help="0 serves HTTP; the others run its steps")
 
 
 def cmd_bench_serve(args):
   import json
   import math
 
-  from jinfer.serving.load_generator import LoadConfig, parse_goodput, run_load
+  from jinfer.bench.load_generator import LoadConfig, parse_goodput, run_load
   cfg = LoadConfig(url=args.url, model=args.model, num_requests=args.num_requests,
                    max_concurrency=args.max_concurrency,
                    request_rate=math.inf if args.request_rate is None else args.request_rate,
@@ -166,19 +207,21 @@ def cmd_bench_serve(args):
       fh.write(result + "\n")
 
 
-def main(argv: list[str] | None = None):
+def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="jinfer", description="JAX/Pallas LLM inference")
   sub = ap.add_subparsers(dest="command", required=True)
 
   def common(p, max_tokens=256, temperature=0.7):
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="built-in name, HF model directory or .gguf file")
-    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=temperature)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
+    # generate and chat run one LLMEngine (no data-parallel front end); `--seed` above seeds
+    # the request.
+    _add_engine_args(p, skip=("seed", "data_parallel_size"))
 
   p = sub.add_parser("generate", help="answer one prompt, streaming the text")
   common(p, temperature=0.0)
@@ -201,15 +244,11 @@ def main(argv: list[str] | None = None):
   p.add_argument("--output-len", type=int, default=128, help="the (longest) output length")
   p.add_argument("--output-len-min", type=int, default=None,
                  help="output lengths uniform in [this, --output-len] (default: all equal)")
-  p.add_argument("--max-num-seqs", type=int, default=64)
-  p.add_argument("--max-num-batched-tokens", type=int, default=512)
-  p.add_argument("--max-model-len", type=int, default=None,
-                 help="default: the longest prompt + output the workload can make")
-  p.add_argument("--no-continuous-batching", action="store_true",
-                 help="static batches that wait for their longest member (a baseline)")
   p.add_argument("--seed", type=int, default=0, help="numpy seed of the prompts")
   p.add_argument("--out", default=None, help="also write the JSON to this file")
-  _add_parallel_args(p, data_parallel=False)  # the benchmark reads one engine's pool
+  # The benchmark reads one engine's pool; max_model_len defaults to the longest prompt +
+  # output the workload can make.
+  _add_engine_args(p, skip=("seed", "data_parallel_size"), max_model_len=None)
   p.set_defaults(fn=cmd_bench)
 
   p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)")
@@ -220,12 +259,6 @@ def main(argv: list[str] | None = None):
   p.add_argument("--port", type=int, default=8000)
   p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
   p.add_argument("--served-model-name", default=None, help="the model's name in the API")
-  p.add_argument("--max-model-len", type=int, default=2048)
-  p.add_argument("--max-num-seqs", type=int, default=64)
-  p.add_argument("--max-num-batched-tokens", type=int, default=512)
-  p.add_argument("--speculative-config", default=None, metavar="JSON",
-                 help='speculative decoding, e.g. \'{"method": "ngram", '
-                      '"num_speculative_tokens": 4}\' (see README)')
   p.add_argument("--max-waiting", type=int, default=serving.max_waiting,
                  help="sequences waiting to be scheduled beyond which requests get 429")
   p.add_argument("--shutdown-timeout", type=float, default=serving.shutdown_timeout,
@@ -244,7 +277,8 @@ def main(argv: list[str] | None = None):
                  help="seconds a request may take to send its body (then 408)")
   p.add_argument("--max-connections", type=int, default=serving.max_connections,
                  help="requests beyond this many open connections get 503")
-  _add_parallel_args(p, multi_process=True)
+  _add_engine_args(p)
+  _add_multi_process_args(p)
   p.set_defaults(fn=cmd_serve)
 
   p = sub.add_parser("bench-serve", help="load a local server with random prompts; JSON figures")
@@ -271,7 +305,11 @@ def main(argv: list[str] | None = None):
 
   ap.add_argument("-q", "--quiet", action="store_true",
                   help="no progress messages (loading, compiling) on stderr")
-  args = ap.parse_args(argv)
+  return ap
+
+
+def main(argv: list[str] | None = None):
+  args = parser().parse_args(argv)
   if not args.quiet and args.command != "serve":  # the server configures its own logging
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("jinfer: %(message)s"))

@@ -22,12 +22,12 @@ from pallas_kernels.grouped_matmul import default_backend as default_grouped_mat
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
   max_model_len: int = 2048  # prompt + output tokens per sequence (capped by the model's)
-  page_size: int = 16
+  page_size: int = 16  # tokens per KV-cache page
   num_pages: int | None = None  # default: room for max_num_seqs sequences of half max_model_len
-  max_num_seqs: int = 64
+  max_num_seqs: int = 64  # sequences running at once
   max_num_batched_tokens: int = 512  # token budget of one step; long prefills are chunked
   max_prefill_seqs: int = 8  # sequences with a prefill chunk in one step
-  enable_prefix_caching: bool = True
+  enable_prefix_caching: bool = True  # reuse the KV pages of prompts' shared full pages
   # False: static batches (a baseline for benchmarks) that wait for their longest member, each
   # sequence reserving max_model_len slots as an engine without paging must.
   continuous_batching: bool = True
@@ -50,15 +50,14 @@ class EngineConfig:
   # so the next process with the same model and options compiles nothing.
   compilation_cache: bool = True
   seed: int = 0  # seeds requests that bring none
-  # Devices (see jinfer/parallel): heads, MLP and vocabulary split over `tensor_parallel_size`
-  # devices; a sequence's KV pages and a step's query rows over `context_parallel_size` (ring
-  # attention, a power of two); `data_parallel_size` engines with their own page pools behind
-  # one front end; MoE experts spread over the tensor devices with `enable_expert_parallel`.
-  tensor_parallel_size: int = 1
+  tensor_parallel_size: int = 1  # split heads, MLP and vocabulary over this many devices
+  # Spread each sequence's KV pages and each step's query rows over this many devices (ring
+  # attention; a power of two).
   context_parallel_size: int = 1
-  data_parallel_size: int = 1
+  data_parallel_size: int = 1  # engines, each with its own page pool, behind one front end
+  # MoE: whole experts per tensor-parallel device instead of each expert split over them.
   enable_expert_parallel: bool = False
-  context_layout: str = "zigzag"  # or "plain": how a step's rows lie over the context ranks
+  context_layout: str = "zigzag"  # how a step's rows lie over the context ranks, or "plain"
   # Speculative decoding (`SpeculativeConfig`, or its dict or JSON form); None: off.
   speculative_config: SpeculativeConfig | dict | str | None = None
 

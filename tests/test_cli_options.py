@@ -1,0 +1,57 @@
+"""Every engine option is a flag of every command that builds an engine, generated from
+`EngineConfig` (help from its comments), and the flags give the EngineConfig they spell."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jinfer import cli
+from jinfer.engine.engine_config import EngineConfig
+from jinfer.errors import ParameterError
+
+FIELDS = [f.name for f in dataclasses.fields(EngineConfig)]
+# What each command sets itself instead (its own --seed; one engine, no data-parallel front end).
+OWN = {"serve": (), "bench": ("seed", "data_parallel_size"),
+       "generate": ("seed", "data_parallel_size"), "chat": ("seed", "data_parallel_size")}
+
+
+def _subparser(command: str):
+  ap = cli.parser()
+  return next(a for a in ap._subparsers._group_actions if a.dest == "command").choices[command]
+
+
+@pytest.mark.parametrize("command", list(OWN))
+def test_every_engine_option_is_a_flag(command):
+  flags = {o for a in _subparser(command)._actions for o in a.option_strings}
+  missing = [f for f in FIELDS
+             if f not in OWN[command] and "--" + f.replace("_", "-") not in flags]
+  assert missing == []
+
+
+def test_options_have_help():
+  helps = cli._field_help()
+  assert [f for f in FIELDS if not helps.get(f)] == []
+  assert "token budget of one step" in helps["max_num_batched_tokens"]
+
+
+def test_flags_spell_the_config():
+  args = cli.parser().parse_args([
+      "serve", "--page-size", "8", "--no-enable-prefix-caching", "--quantization", "int8",
+      "-tp", "2", "--scan-layers", "false", "--num-pages", "40",
+      "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+  config = cli._engine_config(args)
+  assert (config.page_size, config.enable_prefix_caching, config.quantization,
+          config.tensor_parallel_size, config.scan_layers, config.num_pages) == (
+              8, False, "int8", 2, False, 40)
+  assert config.speculative_config.num_speculative_tokens == 3
+  assert dataclasses.replace(config, page_size=16, enable_prefix_caching=True,
+                             quantization=None, tensor_parallel_size=1, scan_layers=None,
+                             num_pages=None, speculative_config=None) == EngineConfig()
+
+
+def test_a_bad_option_names_its_field():
+  args = cli.parser().parse_args(["serve", "--max-num-batched-tokens", "100"])
+  with pytest.raises(ParameterError, match="power of two") as e:
+    cli._engine_config(args)
+  assert e.value.param == "max_num_batched_tokens"
