@@ -13,6 +13,7 @@ from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.request import RequestMetrics, Sequence
 from jinfer.sampling.params import SamplingParams
 from jinfer.engine.speculative import pause
+from jinfer.engine.speculative.proposer import SpecState
 from jinfer.engine.speculative.draft_model import _sample_draft
 from jinfer.engine.speculative.ngram import lookup
 from tests.engine_fixtures import (CompileCounter, assert_batch_matches, make_engine,
@@ -132,17 +133,18 @@ def test_failing_drafts_pause_a_sequence():
   """The moving average of accepted drafts: ~6 failed verify steps pause a sequence at k = 3
   and min_accepted_per_step = 0.5, for PAUSE_TOKENS tokens; a good try lifts it again."""
   seq = Sequence(seq_id="s", group_id="s", index=0, prompt_token_ids=[1] * 10,
-                 params=GREEDY, seed=0, metrics=RequestMetrics(arrival_time=0.0))
+                 params=GREEDY, seed=0, metrics=RequestMetrics(arrival_time=0.0),
+                 spec_state=SpecState())
   failed = 0
   while not pause.paused(seq):
     pause.after_verify(seq, K, 0, 0.5)
     failed += 1
     seq.output_token_ids.append(1)  # a failed step still yields the target's token
-  assert failed == 6 and seq.paused_until == seq.num_tokens + pause.PAUSE_TOKENS
+  assert failed == 6 and seq.spec_state.paused_until == seq.num_tokens + pause.PAUSE_TOKENS
   seq.output_token_ids += [1] * pause.PAUSE_TOKENS
   assert not pause.paused(seq)
   pause.after_verify(seq, K, K, 0.5)  # all three accepted: 0.3 * 3 lifts the average over 0.5
-  assert seq.accepted_avg >= 0.5 and seq.paused_until <= seq.num_tokens
+  assert seq.spec_state.accepted_avg >= 0.5 and seq.spec_state.paused_until <= seq.num_tokens
 
 
 @pytest.mark.slow

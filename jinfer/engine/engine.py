@@ -222,7 +222,8 @@ class LLMEngine:
                      group_id=request_id, index=i, prompt_token_ids=list(ids), params=params,
                      seed=(seed + i * 0x9E3779B1) & 0xFFFFFFFF,
                      metrics=metrics if i == 0 else dataclasses.replace(metrics, token_times=[]),
-                     cache_salt=cache_salt, wait_for=seqs[0] if seqs else None)
+                     cache_salt=cache_salt, wait_for=seqs[0] if seqs else None,
+                     spec_state=self.proposer and self.proposer.new_state())
       if self.tokenizer is not None:
         seq.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
       seqs.append(seq)

@@ -69,14 +69,8 @@ class Sequence:
   # still lacks (1 after a step accepted every draft: the last draft was verified, never fed to
   # the draft). The draft catches up on them next step; 0 whenever num_computed_tokens resets.
   draft_lag: int = 0
-  # Medusa: the heads' candidates [H, topk] for the token after the first `candidates_at`
-  # tokens (stale once the sequence has more or fewer).
-  candidates: object = None
-  candidates_at: int = -1
-  # Speculation's pause (`jinfer/engine/speculative/pause.py`): the moving average of drafts accepted per
-  # verify step, and the length below which the sequence does not speculate.
-  accepted_avg: float | None = None
-  paused_until: int = 0
+  # Speculation's per-sequence state, of the proposer's own type (`Proposer.new_state`).
+  spec_state: object = None
   status: Status = Status.WAITING
   finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
   stop_reason: int | str | None = None

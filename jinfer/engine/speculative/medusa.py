@@ -26,7 +26,7 @@ from jinfer.models.kernel_options import KernelOptions
 from jinfer.quant.qarray import QArray, param_bytes
 from jinfer.engine.speculative import medusa_heads
 from jinfer.engine.speculative.config import SpeculativeConfig
-from jinfer.engine.speculative.proposer import Proposer, Target
+from jinfer.engine.speculative.proposer import Proposer, SpecState, Target
 from jinfer.sampling.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,14 @@ class MedusaStep:
     """Final hidden states h [N, E] -> candidates [N, H, topk] for the tokens after them."""
     return medusa_heads.top_candidates(
         heads, h, self.tree.topk, lambda x: lm_head(params, self.config, self.kernels, x))
+
+
+@dataclasses.dataclass
+class MedusaState(SpecState):
+  # The heads' candidates [H, topk] for the token after the first `candidates_at` tokens
+  # (stale once the sequence has more or fewer).
+  candidates: np.ndarray | None = None
+  candidates_at: int = -1
 
 
 class MedusaProposer(Proposer):
@@ -89,8 +97,12 @@ class MedusaProposer(Proposer):
   def max_depth(self) -> int:
     return self.tree.max_depth
 
+  def new_state(self) -> MedusaState:
+    return MedusaState()
+
   def lookahead(self, seq: Sequence, depth: int) -> int:
-    if seq.candidates is None or seq.candidates_at != seq.num_tokens:
+    st = seq.spec_state
+    if st.candidates is None or st.candidates_at != seq.num_tokens:
       return 0  # nothing proposed for this position (yet)
     return self.tree.nodes_within(depth)
 
@@ -101,11 +113,13 @@ class MedusaProposer(Proposer):
     t = self.tree
     for i, (seq, m) in enumerate(zip(batch.seqs, batch.num_drafts)):
       if m:  # the first m nodes; node n is head (depth - 1)'s choice-th candidate
-        batch.draft_tokens[i] = seq.candidates[t.depth[1:m + 1] - 1, t.choice[1:m + 1]].tolist()
+        cands = seq.spec_state.candidates
+        batch.draft_tokens[i] = cands[t.depth[1:m + 1] - 1, t.choice[1:m + 1]].tolist()
 
   def on_verified(self, seq: Sequence, num_drafts: int, num_accepted: int,
                   proposals: np.ndarray | None = None) -> None:
-    seq.candidates, seq.candidates_at = proposals, seq.num_tokens + num_accepted + 1
+    st = seq.spec_state
+    st.candidates, st.candidates_at = proposals, seq.num_tokens + num_accepted + 1
 
   @property
   def weight_bytes(self) -> int:

@@ -7,8 +7,7 @@ of the drafts accepted per verify step; when it falls below `min_accepted_per_st
 sequence decodes plainly for its next `PAUSE_TOKENS` tokens, then verifies once more, and its
 average decides again. The average starts at k (a sequence is trusted at first: at k = 3 and a
 threshold of 0.5, six failed verify steps pause it). The decision reads only the sequence's own
-history, so its output does not depend on the batch; greedy output is the same as ever
-(speculation never changes it).
+history, and the output never depends on it: speculation emits what plain decoding does.
 """
 from __future__ import annotations
 
@@ -19,13 +18,14 @@ DECAY = 0.7  # weight of the average so far against the newest verify step
 
 
 def paused(seq: Sequence) -> bool:
-  return seq.num_tokens < seq.paused_until
+  return seq.num_tokens < seq.spec_state.paused_until
 
 
 def after_verify(seq: Sequence, k: int, num_accepted: int, min_accepted: float) -> None:
   """Record a verify step that accepted `num_accepted` drafts; pause the sequence if its average
   fell below `min_accepted`."""
-  avg = float(k) if seq.accepted_avg is None else seq.accepted_avg
-  seq.accepted_avg = DECAY * avg + (1.0 - DECAY) * num_accepted
-  if seq.accepted_avg < min_accepted:
-    seq.paused_until = seq.num_tokens + num_accepted + 1 + PAUSE_TOKENS
+  st = seq.spec_state
+  st.accepted_avg = DECAY * (float(k) if st.accepted_avg is None else st.accepted_avg) + (
+      1.0 - DECAY) * num_accepted
+  if st.accepted_avg < min_accepted:
+    st.paused_until = seq.num_tokens + num_accepted + 1 + PAUSE_TOKENS

@@ -51,6 +51,15 @@ class Target:
   dtype: Any
 
 
+@dataclasses.dataclass
+class SpecState:
+  """A sequence's speculation state; a proposer with state of its own subclasses it."""
+  # The pause (`pause.py`): the moving average of drafts accepted per verify step, and the
+  # length below which the sequence does not speculate.
+  accepted_avg: float | None = None
+  paused_until: int = 0
+
+
 class InStep(Protocol):
   """What runs inside the target's jitted step (static: hashed into the compiled step)."""
   tree: Tree  # the verify rows' tree
@@ -73,6 +82,10 @@ class Proposer(abc.ABC):
   @abc.abstractmethod
   def create(cls, spec: SpeculativeConfig, target: Target) -> "Proposer":
     """The proposer `spec` asks for, built for `target` (loads its checkpoints)."""
+
+  def new_state(self) -> SpecState:
+    """A new sequence's state (`Sequence.spec_state`)."""
+    return SpecState()
 
   @property
   def max_depth(self) -> int:
