@@ -3,6 +3,7 @@
 Each op has one public entry point and a pure-jnp oracle beside its kernels.
 """
 from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.dense_matmul import dense_matmul
 from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.int8_matmul import int8_matmul, quantize_per_channel
 from pallas_kernels.kv_cache_layout import KVCacheSpec, write_kv
@@ -10,5 +11,5 @@ from pallas_kernels.ragged_paged_attention import (default_backend, merge_attent
                                                    ragged_paged_attention)
 
 __all__ = ["AttentionMetadata", "KVCacheSpec", "write_kv", "ragged_paged_attention",
-           "merge_attention", "default_backend", "grouped_matmul", "int8_matmul",
-           "quantize_per_channel"]
+           "merge_attention", "default_backend", "dense_matmul", "grouped_matmul",
+           "int8_matmul", "quantize_per_channel"]

@@ -1,6 +1,7 @@
 """Owns the params and the KV cache on device, and runs the one jitted step."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -110,12 +111,20 @@ def _step(model: CausalLM, in_step: InStep | None, params, kv_cache, inp: StepIn
   ), kv_cache
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One way to run the layer stack: the model, the params in the layout it reads, and its
+  jitted step."""
+  model: CausalLM
+  params: dict
+  step: Callable
+
+
 class ModelRunner:
   """`params` in the stacked layout. Steps of at most `unrolled_max_tokens` tokens run the
   unrolled stack over per-layer arrays (views of the stacked ones on the CPU, see
-  `unstack_layers`), larger steps the scanned stack: `model`, `params` and `_step` are the
-  scanned ones when any step runs scanned, `_small` the unrolled (step, params, model) beside
-  them.
+  `unstack_layers`), larger steps the scanned stack: `model` and `params` are the scanned
+  variant's when any step runs scanned, `_small` the unrolled variant beside it.
 
   `mesh`: the devices this runner's params and KV cache live on, laid out by
   `jinfer.parallel.sharding` (`config` has its KV heads duplicated already where fewer than the
@@ -141,14 +150,17 @@ class ModelRunner:
     self.in_step_weights = in_step_weights
     jit = lambda model: jax.jit(functools.partial(_step, model, in_step),
                                 donate_argnums=(1,), out_shardings=out_shardings)
+
+    def variant(scan: bool) -> Variant:
+      model = CausalLM(config, kernels, dtype=dtype, scan_layers=scan)
+      return Variant(model, params if scan else unstack_layers(params, config.num_layers),
+                     jit(model))
+
     scanned = buckets.token_buckets[-1] > unrolled_max_tokens
-    self.model = CausalLM(config, kernels, dtype=dtype, scan_layers=scanned)
-    self.params = params if scanned else unstack_layers(params, config.num_layers)
-    self._step = jit(self.model)
-    self._small = None
-    if scanned and buckets.token_buckets[0] <= unrolled_max_tokens:
-      small = CausalLM(config, kernels, dtype=dtype, scan_layers=False)
-      self._small = (jit(small), unstack_layers(params, config.num_layers), small)
+    self._main = variant(scanned)
+    self.model, self.params = self._main.model, self._main.params
+    self._small = (variant(False) if scanned and buckets.token_buckets[0] <= unrolled_max_tokens
+                   else None)
     self._allocate = jax.jit(spec.allocate, out_shardings=None if mesh is None
                              else sharding.kv_cache_sharding(mesh))
     self.kv_cache = self._allocate()
@@ -181,19 +193,16 @@ class ModelRunner:
              time.monotonic() - t0)
     return out
 
-  def variant(self, num_tokens: int) -> tuple[CausalLM, dict]:
-    """The model and params a step of `num_tokens` (a bucket) runs."""
+  def variant(self, num_tokens: int) -> Variant:
+    """What a step of `num_tokens` (a bucket) runs."""
     if self._small is not None and num_tokens <= self.unrolled_max_tokens:
-      return self._small[2], self._small[1]
-    return self.model, self.params
+      return self._small
+    return self._main
 
   def _run(self, inp: StepInput, drafts: jax.Array | None) -> StepOutput:
+    v = self.variant(inp.token_ids.shape[0])
     try:
-      if self._small is not None and inp.token_ids.shape[0] <= self.unrolled_max_tokens:
-        out, self.kv_cache = self._small[0](self._small[1], self.kv_cache, inp, drafts,
-                                            self.in_step_weights)
-      else:
-        out, self.kv_cache = self._step(self.params, self.kv_cache, inp, drafts, self.in_step_weights)
+      out, self.kv_cache = v.step(v.params, self.kv_cache, inp, drafts, self.in_step_weights)
     except Exception:
       # The cache was donated to the failed call: if XLA consumed it, start from an empty one
       # (the caller must then treat every cached token as gone).

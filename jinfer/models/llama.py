@@ -50,7 +50,7 @@ from jinfer.models.moe import MoE
 from jinfer.models.params import LinearKernel, default_init as _init, param as _param
 from jinfer.quant.qarray import QArray
 from jinfer.parallel.attention import paged_attention
-from pallas_kernels import AttentionMetadata, int8_matmul
+from pallas_kernels import AttentionMetadata, dense_matmul, int8_matmul
 
 NO_WINDOW = 1 << 30  # a per-layer window that never excludes a key
 # A quantized tied LM head keeps float activations even under W8A8: rounding the final hidden
@@ -93,28 +93,11 @@ class Linear(nn.Module):
                       backend=self.kernels.matmul, interpret=self.kernels.interpret,
                       transpose_w=w.transposed).reshape(lead + out_shape)
     else:
-      y = _float_matmul(x, w.astype(x.dtype), self.n_in, one_device=self.kernels.mesh is None)
+      y = dense_matmul(x, w, n_in=self.n_in, backend=self.kernels.dense)
     if self.use_bias:
       y = y + _param(self, "bias", out_shape, self.axes[self.n_in:], self.dtype,
                      nn.initializers.zeros).astype(y.dtype)
     return y
-
-
-def _float_matmul(x: jax.Array, w: jax.Array, n_in: int, *, one_device: bool) -> jax.Array:
-  """x [..., K...] . w [K..., N...] over the `n_in` trailing axes of x -> [..., N...].
-
-  One row on one CPU device runs as two half-length dots batched together and summed: XLA:CPU
-  computes a one-row dot on one core, the batched pair on both (a single stream's layers read
-  425 MB at ~25 GB/s instead of ~19 on a 2-core box). Two rows or more run as one dot: there
-  the split measures slower.
-  """
-  lead, out = x.shape[:x.ndim - n_in], w.shape[n_in:]
-  k = int(np.prod(w.shape[:n_in]))
-  if not (one_device and int(np.prod(lead)) == 1 and k % 2 == 0
-          and jax.default_backend() == "cpu"):
-    return jnp.tensordot(x, w, axes=n_in)
-  halves = jnp.einsum("bk,bkn->bn", x.reshape(2, k // 2), w.reshape(2, k // 2, -1))  # [2, N]
-  return halves.sum(0).reshape(lead + out)
 
 
 class RMSNorm(nn.Module):
@@ -333,9 +316,7 @@ def _tied_head(x: jax.Array, embed, kernels: KernelOptions) -> jax.Array:
   if isinstance(embed, QArray):
     return int8_matmul(x, embed.values, embed.scale, mode=HEAD_MODE, backend=kernels.matmul,
                        interpret=kernels.interpret, transpose_w=True)
-  if x.shape[0] == 1:  # as a matrix-vector product: XLA:CPU runs x @ embed.T as a slow loop
-    return (embed.astype(x.dtype) @ x[0])[None]
-  return x @ embed.T.astype(x.dtype)
+  return dense_matmul(x, embed, transpose_w=True, backend=kernels.dense)
 
 
 def lm_head(params: dict, config: ModelConfig, kernels: KernelOptions, x: jax.Array) -> jax.Array:
