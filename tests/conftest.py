@@ -1,5 +1,5 @@
 """Session fixtures: the real SmolLM2 GGUF, HF transformers' tokenizer and model built from it,
-and a tiny random model over its vocabulary.
+a tiny random model over its vocabulary, and a tinier model directory.
 
 Built once per session: transformers' GGUF loading takes seconds to tens of seconds on 2 cores.
 """
@@ -31,6 +31,13 @@ def tiny_model(tmp_path_factory, smollm2_gguf):
   """(config, params, tokenizer) of a 2-layer random Llama with SmolLM2's tokenizer."""
   from tests.engine_fixtures import tiny_loaded
   return tiny_loaded(str(tmp_path_factory.mktemp("tiny")), smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+  """An HF directory of a one-layer random Llama over 128 word-level tokens (`tiny_hf_dir`)."""
+  from tests.engine_fixtures import tiny_hf_dir
+  return tiny_hf_dir(str(tmp_path_factory.mktemp("tiny_llama")))
 
 
 @pytest.fixture(scope="session")

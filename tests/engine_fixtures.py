@@ -1,12 +1,14 @@
 """Shared builders for engine tests: a tiny random Llama with SmolLM2's tokenizer."""
 from __future__ import annotations
 
+import json
 import os
 
 import jax
 import numpy as np
 import torch
 import transformers
+from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
 
 from jinfer.config import ModelConfig
 from jinfer.engine.engine import LLMEngine
@@ -33,6 +35,30 @@ def tiny_loaded(path: str, gguf: str, *, seed: int = 0, num_layers: int = 2):
   hf.save_pretrained(path)
   config = ModelConfig.from_hf_dir(path)
   return config, load_safetensors_dir(path, config), tok
+
+
+TINY_DIR_VOCAB = 128
+
+
+def tiny_hf_dir(path: str) -> str:
+  """An HF model directory of a one-layer random Llama over `TINY_DIR_VOCAB` tokens, with a
+  word-level tokenizer (`t0`..`t127`; anything else reads as `t2`): the cheapest model that
+  `LLM(path)` and the command line load like any other."""
+  torch.manual_seed(0)
+  config = transformers.LlamaConfig(
+      vocab_size=TINY_DIR_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+      bos_token_id=0, eos_token_id=1)
+  transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+  # jinfer loads a tokenizer with every model; a word-level one over the ids is enough here.
+  tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(TINY_DIR_VOCAB)}, unk_token="t2"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.save(os.path.join(path, "tokenizer.json"))
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as fh:
+    # A chat template of the plainest kind: each message's content on a line of its own.
+    json.dump({"bos_token": "t0", "eos_token": "t1",
+               "chat_template": "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"}, fh)
+  return path
 
 
 class CompileCounter:

@@ -1,5 +1,5 @@
 """Smoke tests of the offline benchmark (`jinfer bench` on a tiny random model, JSON checked),
-the benchmark scripts in examples/, and `jinfer generate`'s progress lines."""
+the benchmark modules of `jinfer.bench` run as scripts, and `jinfer generate`'s progress lines."""
 from __future__ import annotations
 
 import json
@@ -9,32 +9,10 @@ import sys
 
 import numpy as np
 import pytest
-import torch
-import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jinfer.bench.offline import RandomWorkload
 from jinfer.cli import main
-
-VOCAB = 128
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> str:
-  torch.manual_seed(0)
-  config = transformers.LlamaConfig(
-      vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-      bos_token_id=0, eos_token_id=1)
-  path = str(tmp_path_factory.mktemp("tiny_llama"))
-  transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-  # jinfer loads a tokenizer with every model; a word-level one over the ids is enough here.
-  tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t2"))
-  tok.pre_tokenizer = pre_tokenizers.Whitespace()
-  tok.save(os.path.join(path, "tokenizer.json"))
-  with open(os.path.join(path, "tokenizer_config.json"), "w") as fh:
-    json.dump({"bos_token": "t0", "eos_token": "t1"}, fh)
-  return path
+from tests.engine_fixtures import TINY_DIR_VOCAB as VOCAB  # the `tiny_model_dir` fixture's
 
 
 def test_random_workload_is_seeded_and_in_range():
@@ -107,13 +85,13 @@ def test_bench_cli_varied_output_lengths(tiny_model_dir, tmp_path, capsys, conti
   assert r["config"]["engine"]["continuous_batching"] == continuous
 
 
-def _run_script(path: str, argv: list[str], capsys) -> dict:
+def _run_module(module: str, argv: list[str], capsys) -> dict:
+  """`python -m module argv...` in this process; its JSON from stdout."""
   import runpy
-  import sys
   old = sys.argv
-  sys.argv = [path] + argv
+  sys.argv = [module] + argv
   try:
-    runpy.run_path(path, run_name="__main__")
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
   finally:
     sys.argv = old
   return json.loads(capsys.readouterr().out)
@@ -123,9 +101,9 @@ def _run_script(path: str, argv: list[str], capsys) -> dict:
 def test_decode_profile_script_accounts_for_the_step(tiny_model_dir, capsys):
   """The profile's parts are measured, add up to about the device step, and name the stack
   each batch ran (a batch of 1 runs unrolled on the CPU, a batch past the threshold scanned)."""
-  r = _run_script("examples/profile_decode.py", ["--model", tiny_model_dir, "--batches", "1,16",
-                                                 "--context", "20", "--steps", "3",
-                                                 "--repeats", "2"], capsys)
+  r = _run_module("jinfer.bench.profile_decode", ["--model", tiny_model_dir, "--batches", "1,16",
+                                                  "--context", "20", "--steps", "3",
+                                                  "--repeats", "2"], capsys)
   one, many = r["batches"]
   assert (one["batch"], many["batch"]) == (1, 16)
   assert (one["rows_per_step"]["T"], many["rows_per_step"]["T"]) == (1, 16)
@@ -139,7 +117,7 @@ def test_decode_profile_script_accounts_for_the_step(tiny_model_dir, capsys):
 
 @pytest.mark.slow
 def test_single_stream_script_reports_every_mode(tiny_model_dir, capsys):
-  r = _run_script("examples/bench_single_stream.py",
+  r = _run_module("jinfer.bench.single_stream",
                   ["--model", tiny_model_dir, "--modes", "f32,int8", "--repeats", "2",
                    "--prompt-len", "8", "--output-len", "6", "--batch", "3",
                    "--batch-input-len-min", "4", "--batch-input-len-max", "9",

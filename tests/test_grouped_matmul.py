@@ -4,8 +4,6 @@ past the last group, and int8 weights with per-group, per-channel scales."""
 from __future__ import annotations
 
 import json
-import pathlib
-import runpy
 
 import jax
 import jax.numpy as jnp
@@ -143,8 +141,7 @@ def test_bad_arguments_raise():
 def test_device_bench_script_smoke(tmp_path):
   """The device benchmark's grouped matmul part runs end to end (tiny shapes, the TPU kernel
   interpreted) and every backend, float and int8, agrees with ragged_dot."""
-  script = pathlib.Path(__file__).parents[1] / "examples" / "bench_kernels_device.py"
-  main = runpy.run_path(str(script))["main"]
+  from jinfer.bench.kernels import main
   out = tmp_path / "bench.json"
   report = main(["--smoke", "--skip", "attention", "--skip", "int8_matmul", "--out", str(out)])
   assert json.loads(out.read_text()) == json.loads(json.dumps(report))

@@ -30,8 +30,10 @@ LAYERS = [
      "jinfer.engine.speculative.stats"],
     ["jinfer.engine.speculative"],  # the wing: proposers, built on the engine's types
     ["jinfer.engine"],  # the step, the engine loop, async and data-parallel engines
-    ["jinfer.llm", "jinfer.cli", "jinfer.serving", "jinfer.bench", "jinfer.training",
-     "jinfer"],  # entry points (and the package's own __init__)
+    ["jinfer.llm", "jinfer.serving", "jinfer"],  # entry points (and the package's own __init__)
+    # What runs jinfer from outside, imported by nothing in the library: the command line (whose
+    # `bench` and `bench-serve` run benchmarks), the benchmarks and the training runs.
+    ["jinfer.cli", "jinfer.bench", "jinfer.training"],
 ]
 
 

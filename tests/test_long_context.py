@@ -1,6 +1,7 @@
-"""examples/long_context.py end to end: ring attention over 4 CPU devices against one device.
+"""`python -m jinfer.bench.long_context` end to end: ring attention over 4 CPU devices against
+one device.
 
-The script runs in a subprocess: it must size the CPU client (4 devices) before jax starts its
+The benchmark runs in a subprocess: it must size the CPU client (4 devices) before jax starts its
 backends, and this process's jax may already have started them with one.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ def test_long_context_quick(tmp_path):
   # Only the subprocess's own flag may decide the device count.
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "examples", "long_context.py"), "--quick",
+      [sys.executable, "-m", "jinfer.bench.long_context", "--quick",
        "--devices", "4", "--no-warmup", "--out", str(out), "--plot", str(png)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
   assert proc.returncode == 0, proc.stderr[-4000:]

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
-import runpy
 
 import jax
 import jax.numpy as jnp
@@ -361,8 +359,7 @@ def test_unknown_backend_raises():
 @pytest.mark.slow
 def test_bench_script_smoke(tmp_path):
   """The device benchmark script runs end to end (tiny shapes, kernels interpreted)."""
-  script = pathlib.Path(__file__).parents[1] / "examples" / "bench_kernels_device.py"
-  main = runpy.run_path(str(script))["main"]
+  from jinfer.bench.kernels import main
   out = tmp_path / "bench.json"
   # The grouped matmul part runs in tests/test_grouped_matmul.py (slow tier).
   report = main(["--smoke", "--skip", "grouped_matmul", "--out", str(out)])

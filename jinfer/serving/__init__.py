@@ -1,1 +1,2 @@
-"""The OpenAI-compatible HTTP server (needs the `serve` extra) and a load generator for it."""
+"""The OpenAI-compatible HTTP server (needs the `serve` extra). Its load generator, behind
+`jinfer bench-serve`, is a benchmark: `jinfer/bench/load_generator.py`."""

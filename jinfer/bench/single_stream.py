@@ -1,8 +1,8 @@
 """Decode speed by weight format: single stream and a batch, interleaved runs, one JSON object.
 
 For each `--modes` entry (f32, int8 = W8A16, w8a8) an engine is built over the same loaded
-params and runs both workloads once untimed (compiling the steps they use); then, `--repeats` times in turn over the modes (so a change in the machine's
-load hits every mode alike):
+params and runs both workloads once untimed (compiling the steps they use); then, `--repeats`
+times in turn over the modes (so a change in the machine's load hits every mode alike):
   * single stream: one request, `--prompt-len` tokens of prompt, `--output-len` greedy tokens
     (EOS ignored), decode tokens/s from its first token to its last;
   * batch: `--batch` requests, prompts of `--batch-input-len-min`..`--batch-input-len-max` tokens
@@ -11,7 +11,7 @@ Medians are reported with every run and the load average beside each. When `llam
 importable, llama.cpp decodes the same GGUF single stream in the same run (see
 `jinfer/bench/llama_cpp_peer.py` for how to build it).
 
-    python examples/bench_single_stream.py [--modes f32,int8,w8a8] [--repeats 3] [--out F]
+    python -m jinfer.bench.single_stream [--modes f32,int8,w8a8] [--repeats 3] [--out F]
 """
 from __future__ import annotations
 

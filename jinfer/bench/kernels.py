@@ -19,8 +19,8 @@ platform (`ragged_dot` everywhere; `pallas_tpu` on a TPU, interpreted on the CPU
 float and int8 experts, against the dense matmul of the same active rows (one expert's
 weights). The bytes are the weights of the experts that got rows, plus activations in and out.
 
-  python examples/bench_kernels_device.py --out /tmp/bench.json            # on the device
-  python examples/bench_kernels_device.py --smoke --out /tmp/smoke.json    # CPU: tiny, interpreted
+  python -m jinfer.bench.kernels --out bench.json            # on the device
+  python -m jinfer.bench.kernels --smoke --out smoke.json    # CPU: tiny, interpreted
 """
 from __future__ import annotations
 

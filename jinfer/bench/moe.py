@@ -17,7 +17,7 @@ own, and against the dense matmul of the same active rows ([B, 512] x [512, 4096
 Repetitions interleave the variants compared and report medians (the CPU may be shared; the load
 average is recorded).
 
-  python examples/bench_moe.py --out moe.json [--batch-sizes 1,16,64,128,256] [--reps 9]
+  python -m jinfer.bench.moe --out moe.json [--batch-sizes 1,16,64,128,256] [--reps 9]
 """
 from __future__ import annotations
 

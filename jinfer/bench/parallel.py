@@ -5,8 +5,8 @@ On the CPU (default) it makes `--devices` host devices; their times mean little,
 share the cores, but the bytes, the collective counts and the agreement are the real thing. On a
 multi-chip machine pass `--shape llama3-8b` (random weights, bfloat16) and the layouts to try:
 
-  python examples/bench_parallel.py --devices 8 --out parallel.json
-  python examples/bench_parallel.py --shape llama3-8b --layouts tp1 tp2 tp4 tp8 tp4cp2 --out gpu.json
+  python -m jinfer.bench.parallel --devices 8 --out parallel.json
+  python -m jinfer.bench.parallel --shape llama3-8b --layouts tp1 tp2 tp4 tp8 tp4cp2 --out gpu.json
 
 A layout is `tp<N>`, `cp<N>`, `ep` (expert parallel, MoE shapes) joined, e.g. `tp2cp4`.
 """

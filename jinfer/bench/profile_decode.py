@@ -12,7 +12,7 @@ steps run through the engine and are timed two ways:
 Each part's bytes of weights read per step and the bandwidth that implies are reported beside
 it, so matmul time can be set against the memory roofline.
 
-    python examples/profile_decode.py [--batches 1,8,64] [--context 256] [--quantization int8]
+    python -m jinfer.bench.profile_decode [--batches 1,8,64] [--context 256] [--quantization int8]
 """
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def part_timings(engine: LLMEngine, inp, repeats: int) -> dict:
   """Each part of a step jitted alone over the step's own shapes and params."""
   runner, c = engine.runner, engine.model_config
   t = inp.token_ids.shape[0]
-  model, params = runner.variant(t)
+  v = runner.variant(t)
+  model, params = v.model, v.params
   kn, dtype, scanned = model.kernels, model.dtype, model.scan_layers
   layers = _layer_params(params, c.num_layers, scanned)
   e, hq, hkv, d, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size

@@ -9,7 +9,7 @@ time counts from the process start (imports included):
   * `warm`: this tree again on the cache the cold run filled; it must compile nothing.
 The three must produce the same tokens.
 
-    python examples/bench_cold_start.py --baseline-rev e98eba4 --out cold_start.json
+    python -m jinfer.bench.cold_start --baseline-rev e98eba4 --out cold_start.json
 """
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from jinfer.bench.machine import machine_info
+from jinfer.bench.report import emit
 
 _CHILD = r"""
 import json, sys, time
@@ -66,14 +69,12 @@ def _run(tree: str, cache_dir: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--baseline-rev", default=None, help="git revision to compare against")
   ap.add_argument("--out", default=None, help="also write the JSON here")
   args = ap.parse_args(argv)
-  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  sys.path.insert(0, here)
-  from jinfer.bench.machine import machine_info
-  from jinfer.bench.report import emit
+  # The source tree this module lives in: the cases run it (and a worktree of its history).
+  here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   report: dict = {"machine": machine_info(), "cases": {}}
   with tempfile.TemporaryDirectory() as tmp:
     if args.baseline_rev:

@@ -13,7 +13,7 @@ and generated token and whether all greedy answers are identical: ring attention
 they should agree to float32 rounding. Prints one JSON object (with the machine) and writes it
 to `--out`, and a plot (accuracy vs length, perplexity vs position) to `--plot`.
 
-    python examples/long_context.py [--cp 8 --devices 8] [--lengths 512,1024,2048,4096]
+    python -m jinfer.bench.long_context [--cp 8 --devices 8] [--lengths 512,1024,2048,4096]
         [--layout zigzag|plain] [--quick] [--no-baseline] [--out F.json] [--plot F.png]
 
 On the CPU, `--devices` fake devices are made (XLA host platform); on an accelerator the real

@@ -2,9 +2,9 @@
 prompt lookup, with the distilled draft and with Medusa heads (a chain of each head's best
 guess, and the default candidate tree), at batch 1, 8 and 64, on two workloads:
 
-  chat    held-out chat prompts (`chat_prompts.eval_prompts`, subjects the draft never saw),
-          through the chat template, greedy, up to --max-tokens each (natural text: answers
-          end at EOS);
+  chat    held-out chat prompts (`jinfer.training.chat_data.eval_prompts`, subjects the draft
+          never saw), through the chat template, greedy, up to --max-tokens each (natural
+          text: answers end at EOS);
   random  vLLM's random-token workload (`jinfer bench`'s: prompts of consecutive token ids from
           a random offset, 32-512 tokens), greedy, exactly --max-tokens each (EOS ignored).
 
@@ -16,8 +16,8 @@ and mean tokens per step are set against E = (1 - alpha^(k+1)) / (1 - alpha); fo
 acceptance per position is each head's (how often its depth was accepted once reached), and a
 tree's E is also estimated from the heads' held-back hit rates (`expected_tokens_per_step_tree`).
 
-    python examples/bench_spec.py --out bench_spec.json
-    python examples/bench_spec.py --methods off medusa_chain medusa_tree --batches 1 8 \
+    python -m jinfer.bench.speculative --out bench_spec.json
+    python -m jinfer.bench.speculative --methods off medusa_chain medusa_tree --batches 1 8 \
         --workloads chat --out bench_medusa.json
 """
 from __future__ import annotations
@@ -31,22 +31,20 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from jinfer.bench.machine import machine_info
+from jinfer.bench.offline import RandomWorkload
+from jinfer.bench.report import emit
+from jinfer.engine.engine import LLMEngine
+from jinfer.engine.engine_config import EngineConfig
+from jinfer.engine.speculative.medusa_heads import heads_meta
+from jinfer.loader import DEFAULT_MODEL, load_model
+from jinfer.sampling.params import SamplingParams
+from jinfer.sampling.tree import chain_choices, expected_length
+from jinfer.training.chat_data import eval_prompts
 
-from chat_prompts import eval_prompts  # noqa: E402
-
-from jinfer.bench.machine import machine_info  # noqa: E402
-from jinfer.bench.report import emit  # noqa: E402
-from jinfer.bench.offline import RandomWorkload  # noqa: E402
-from jinfer.engine.engine import LLMEngine  # noqa: E402
-from jinfer.engine.engine_config import EngineConfig  # noqa: E402
-from jinfer.sampling.params import SamplingParams  # noqa: E402
-from jinfer.engine.speculative.medusa_heads import heads_meta  # noqa: E402
-from jinfer.sampling.tree import chain_choices, expected_length  # noqa: E402
-from jinfer.loader import DEFAULT_MODEL, load_model  # noqa: E402
-
-CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "checkpoints")
+# The trained artifacts of a source checkout (they are not part of the installed package).
+CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "checkpoints")
 DRAFT = os.path.join(CHECKPOINTS, "smollm2-135m-draft")
 MEDUSA = os.path.join(CHECKPOINTS, "smollm2-135m-medusa")
 
@@ -81,7 +79,7 @@ def run(engine: LLMEngine, prompts, params, one_at_a_time: bool) -> dict:
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--model", default=DEFAULT_MODEL)
   ap.add_argument("--draft", default=DRAFT)
   ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
