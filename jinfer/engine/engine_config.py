@@ -16,7 +16,6 @@ from jinfer.models.kernel_options import KernelOptions
 from jinfer.parallel.mesh import ParallelConfig
 from jinfer.engine.speculative.config import SpeculativeConfig
 from pallas_kernels import KVCacheSpec, default_backend
-from pallas_kernels.dense_matmul import default_backend as default_dense_backend
 from pallas_kernels.grouped_matmul import default_backend as default_grouped_matmul_backend
 
 
@@ -167,7 +166,7 @@ class EngineConfig:
     matmul = self.matmul_backend or _default_matmul_backend()
     return KernelOptions(attention=self.attention_backend or default_backend(),
                          matmul=matmul, int8_transposed=matmul == "xla" and mesh is None,
-                         dense=default_dense_backend() if mesh is None else "reference",
+                         dense=None if mesh is None else "reference",
                          grouped_matmul=(self.grouped_matmul_backend
                                          or default_grouped_matmul_backend()),
                          interpret=self.interpret, quantization=self.quantization, mesh=mesh,

@@ -5,7 +5,6 @@ import dataclasses
 
 from jax.sharding import Mesh
 
-from pallas_kernels.dense_matmul import default_backend as default_dense_backend
 
 QUANTIZATIONS = (None, "int8", "w8a8")
 
@@ -13,9 +12,9 @@ QUANTIZATIONS = (None, "int8", "w8a8")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelOptions:
   attention: str = "xla"  # ragged_paged_attention backend
-  # dense_matmul backend: float linear layers and the tied head (the default: by platform, for
-  # params on one device; the engine takes "reference" for sharded ones).
-  dense: str = dataclasses.field(default_factory=default_dense_backend)
+  # dense_matmul backend: float linear layers and the tied head (None: the op's default for the
+  # platform, for params on one device; the engine takes "reference" for sharded ones).
+  dense: str | None = None
   matmul: str = "xla"  # int8_matmul backend (used only when quantized)
   grouped_matmul: str = "xla"  # grouped_matmul backend: MoE experts
   interpret: bool = False  # Pallas kernels in interpret mode (CPU testing)

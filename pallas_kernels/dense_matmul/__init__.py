@@ -32,10 +32,12 @@ def dense_matmul(
     *,
     n_in: int = 1,
     transpose_w: bool = False,
-    backend: str = "reference",
+    backend: str | None = None,
 ) -> jax.Array:  # [..., N...] x.dtype
   """x . w over x's trailing `n_in` axes and w's leading ones. `transpose_w`: w is [N, K] (a
-  tied embedding used as the LM head; n_in must be 1), read in place."""
+  tied embedding used as the LM head; n_in must be 1), read in place. `backend` None: the
+  default for the platform (`default_backend`)."""
+  backend = backend or default_backend()
   if backend not in _IMPLS:
     raise ValueError(f"unknown dense matmul backend {backend!r}; choose one of {BACKENDS}")
   if transpose_w and (n_in != 1 or w.ndim != 2):
