@@ -11,7 +11,7 @@ import pytest
 
 from jinfer.sampling.params import SamplingParams
 from jinfer.training.distill import (DistillConfig, Trainer, draft_vocab, init_draft,
-                                 sequence_targets)
+                                     sequence_targets)
 from jinfer.engine.speculative.draft_checkpoint import load_draft, save_draft
 from tests.engine_fixtures import CompileCounter, make_engine
 

@@ -23,7 +23,7 @@ from jinfer.engine.speculative import medusa_heads as mh
 from jinfer.engine.speculative.config import SpeculativeConfig
 from jinfer.engine.runner import keep_path
 from jinfer.sampling.tree import (Tree, best_choices, chain_choices, default_choices,
-                              expected_length)
+                                  expected_length)
 from pallas_kernels import AttentionMetadata, KVCacheSpec
 from tests.engine_fixtures import (CompileCounter, assert_batch_matches, make_engine,
                                    prefix_sharing_prompts, random_prompts, run_tokens)

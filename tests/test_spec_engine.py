@@ -1,7 +1,8 @@
 """Speculative decoding in the engine, on tiny random models: greedy output identical to no
 speculation (alone and in batches with chunked prefill, preemption and prefix hits), stop
 conditions and logprobs as without it, seeded sampling independent of the batch (and of the
-proposer: see test_spec_lossless), no page leaks under aborts, no compiles after warmup, and precise errors for a bad speculative_config."""
+proposer: see test_spec_lossless), no page leaks under aborts, no compiles after warmup, and
+precise errors for a bad speculative_config."""
 from __future__ import annotations
 
 import jax.numpy as jnp

@@ -13,9 +13,10 @@ import pytest
 from jinfer.models import CausalLM
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.training.distill import draft_vocab
-from jinfer.engine.speculative.medusa_heads import head_logits, init_heads, load_heads, save_heads, with_rows
+from jinfer.engine.speculative.medusa_heads import (head_logits, init_heads, load_heads,
+                                                   save_heads, with_rows)
 from jinfer.training.medusa_train import (RANKS, MedusaTrainConfig, MedusaTrainer, accuracy,
-                                      answer_hidden, head_targets, vocab_index)
+                                          answer_hidden, head_targets, vocab_index)
 from pallas_kernels import AttentionMetadata
 
 CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "smollm2-135m-medusa")

@@ -9,7 +9,8 @@ read.
 With speculative decoding (k drafts), a step where some sequence verifies drafts is a verify
 step, a second variant per `T`: each such sequence's rows are `[last, d1..dm]` (m <= k, verify
 rows of the attention contract, `verify_width = k + 1`), and logits come out at
-`R = min(T, S * (k + 1))` rows, every sequence's chain of m + 1 rows (see `jinfer/sampling/accept.py`).
+`R = min(T, S * (k + 1))` rows, every sequence's chain of m + 1 rows (see
+`jinfer/sampling/accept.py`).
 With a candidate tree (Medusa) the m drafts are the tree's first m nodes: their rows sit at
 positions by depth and see their ancestors (the tree mask), see `jinfer/sampling/tree.py`.
 """

@@ -15,8 +15,8 @@ left it (its token budget, `disable_by_batch_size` and paused speculation change
 tokens a step yields). For proposals that are deterministic given the history (n-gram lookup,
 Medusa's candidates) this is SpecInfer's multi-candidate rule and accepts a draft as often as
 rejection sampling does, p(d); a draft model samples its proposals with the same random number
-the target draws with (`jinfer/engine/speculative/draft_model.py`), which couples its guess to the target's
-draw.
+the target draws with (`jinfer/engine/speculative/draft_model.py`), which couples its guess to
+the target's draw.
 
 Rows are addressed through `chain` (each sequence's i-th verify row); a chain is the tree whose
 nodes each have the previous one as parent (`Tree.chain`).
@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jinfer.sampling.sample import (SampleOutput, SamplingTensors, any_penalty, ban, choose, penalize,
-                           top_logprobs)
+from jinfer.sampling.sample import (SampleOutput, SamplingTensors, any_penalty, ban, choose,
+                                    penalize, top_logprobs)
 from jinfer.sampling.tree import Tree
 
 

@@ -64,7 +64,7 @@ from jinfer.models.kernel_options import KernelOptions
 from jinfer.engine.speculative.draft_checkpoint import draft_config, save_draft
 from jinfer.loader import load_model
 from jinfer.training.chat_data import (eval_prompts, generate_answers, load_seqs, save_seqs,
-                                      train_prompts)
+                                       train_prompts)
 from jinfer.weights.builtin import cache_dir
 from pallas_kernels import AttentionMetadata
 

@@ -46,8 +46,8 @@ import optax
 from jinfer.config import ModelConfig
 from jinfer.models import CausalLM
 from jinfer.models.kernel_options import KernelOptions
-from jinfer.engine.speculative.medusa_heads import (head_logits, init_heads, load_heads,
-                                                   save_heads, top_candidates, with_rows)
+from jinfer.engine.speculative.medusa_heads import (head_logits, init_heads, load_heads, save_heads,
+                                                    top_candidates, with_rows)
 from jinfer.loader import load_model
 from jinfer.training.chat_data import eval_prompts, generate_answers, load_seqs, train_prompts
 from jinfer.training.distill import _forward, draft_vocab

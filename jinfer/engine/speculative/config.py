@@ -9,7 +9,8 @@ from typing import Any
 
 import jax
 
-from jinfer.engine.speculative.medusa_heads import META, PUBLISHED_FILE, heads_meta, is_medusa_checkpoint
+from jinfer.engine.speculative.medusa_heads import (META, PUBLISHED_FILE, heads_meta,
+                                                   is_medusa_checkpoint)
 from jinfer.sampling.tree import Tree, default_choices
 from jinfer.weights.builtin import is_builtin
 
@@ -43,8 +44,8 @@ class SpeculativeConfig:
   disable_by_batch_size: int | None = None
   # Speculate for a sequence only while the moving average of the drafts it gets accepted per
   # verify step stays at or above this (None: always). Below it, the sequence decodes plainly
-  # for a while and then tries again (`jinfer/engine/speculative/pause.py`): where its text defeats the
-  # proposer, it pays little more than the proposer's upkeep instead of a verify step's cost.
+  # for a while and then tries again (`pause.py`): where its text defeats the proposer, it pays
+  # little more than the proposer's upkeep instead of a verify step's cost.
   min_accepted_per_step: float | None = None
   # medusa: the candidate tree, as paths of per-head candidate indices (Medusa's
   # `medusa_choices`); None: the best tree of `default_tree_nodes()` nodes for the heads'

@@ -62,8 +62,8 @@ def _sample_draft(logits: jax.Array, st: SamplingTensors, vt: VerifyTensors, voc
   """The draft's token [S] for chain index `vt.row_depth` of every sequence: the request's
   processing over the draft's logits [S, Vd] (-inf outside its vocabulary), then its argmax or a
   draw with the very random number the target draws that token with. The target accepts a draft
-  only where its own draw is the same token (`jinfer/sampling/accept.py`); sharing the number makes the
-  two draws agree wherever the draft's distribution is close to the target's."""
+  only where its own draw is the same token (`jinfer/sampling/accept.py`); sharing the number
+  makes the two draws agree wherever the draft's distribution is close to the target's."""
   s = logits.shape[0]
   rst = row_tensors(st, vt, with_history=False)
 

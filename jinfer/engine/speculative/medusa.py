@@ -5,8 +5,8 @@ hidden state that chose it (the plain step's logits row, or the verify step's st
 returns each head's top candidates with the tokens. The next step fills the sequence's verify
 rows with the candidate tree built from them (`fill`, on the host, like n-gram lookup) and
 verifies it with `jinfer.sampling.accept.accept`; the accepted path's K/V moves to the slots of
-its depths in the same jit (`jinfer.engine.runner.keep_path`). So Medusa costs no pass of its own: the heads' few rows
-and a wider verify step.
+its depths in the same jit (`jinfer.engine.runner.keep_path`). So Medusa costs no pass of its
+own: the heads' few rows and a wider verify step.
 """
 from __future__ import annotations
 
