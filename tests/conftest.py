@@ -5,7 +5,9 @@ Built once per session: transformers' GGUF loading takes seconds to tens of seco
 """
 from __future__ import annotations
 
+import functools
 import os
+from unittest import mock
 
 import pytest
 
@@ -19,6 +21,13 @@ import jax  # noqa: E402
 # other test runs on the first, as on one device.
 jax.config.update("jax_num_cpu_devices", 8)
 
+import torch  # noqa: E402
+
+# HF transformers is the reference here, on small models and short sequences. With one OpenMP
+# thread per core, a core that something else holds stalls every op on a spinning barrier: on a
+# busy 2-core box SmolLM2's forward ran 3-7x slower with 2 threads than with 1.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
@@ -27,10 +36,22 @@ def smollm2_gguf() -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory, smollm2_gguf):
-  """(config, params, tokenizer) of a 2-layer random Llama with SmolLM2's tokenizer."""
+def _tiny(tmp_path_factory, smollm2_gguf):
   from tests.engine_fixtures import tiny_loaded
-  return tiny_loaded(str(tmp_path_factory.mktemp("tiny")), smollm2_gguf)
+  path = str(tmp_path_factory.mktemp("tiny"))
+  return path, tiny_loaded(path, smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(_tiny):
+  """(config, params, tokenizer) of a 2-layer random Llama with SmolLM2's tokenizer."""
+  return _tiny[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(_tiny) -> str:
+  """The HF directory `tiny_model` was loaded from: config.json and weights, no tokenizer."""
+  return _tiny[0]
 
 
 @pytest.fixture(scope="session")
@@ -49,9 +70,12 @@ def hf_smollm2_tokenizer(smollm2_gguf):
 
 @pytest.fixture(scope="session")
 def hf_smollm2_model(smollm2_gguf):
-  import torch
+  import gguf
   import transformers
   folder, name = os.path.split(smollm2_gguf)
-  model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                            dtype=torch.float32)
+  # transformers rebuilds gguf's tensor-name table for every submodule (~400 times, 5-13 s on 2
+  # cores); it is a pure function of (architecture, layers), so build it once.
+  with mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                              dtype=torch.float32)
   return model.eval()

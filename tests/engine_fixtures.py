@@ -83,6 +83,13 @@ class CompileCounter:
       self.cache_hits += 1
 
 
+# A small engine: buckets of 1 to 8 tokens (long prompts are chunked) and a pool of 32 pages of 4
+# tokens that runs out, so sequences are preempted and recomputed. Modules that build their engine
+# with these options load its compiled steps from the compilation cache instead of compiling them.
+SMALL_POOL = dict(max_model_len=64, page_size=4, num_pages=33, max_num_seqs=6,
+                  max_num_batched_tokens=8, max_prefill_seqs=2)
+
+
 def make_engine(loaded, warmup: bool = True, **options) -> LLMEngine:
   return LLMEngine.from_parts(*loaded, config=EngineConfig(**options), warmup=warmup)
 

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from jinfer.sampling.params import SamplingParams
-from tests.engine_fixtures import (CompileCounter, make_engine, random_prompts, run_tokens,
-                                   tiny_loaded)
+from tests.engine_fixtures import CompileCounter, make_engine, random_prompts, run_tokens
 from tests.paged_batch import PagedBatch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -20,11 +19,14 @@ def loaded(tiny_model):
   return tiny_model
 
 
+# Small budget and pool: long prompts are chunked and the pool forces preemption.
+OPTIONS = dict(max_model_len=256, page_size=8, num_pages=90, max_num_seqs=16,
+               max_num_batched_tokens=64, max_prefill_seqs=2)
+
+
 @pytest.fixture(scope="module")
 def engine(loaded):
-  # Small budget and pool: long prompts are chunked and the pool forces preemption.
-  return make_engine(loaded, max_model_len=256, page_size=8, num_pages=90, max_num_seqs=16,
-                     max_num_batched_tokens=64, max_prefill_seqs=2)
+  return make_engine(loaded, **OPTIONS)
 
 
 _prompts = functools.partial(random_prompts, hi=120)
@@ -289,19 +291,18 @@ def test_a_failed_step_fails_its_requests_and_the_engine_recovers(loaded):
   assert _run(eng, prompts, GREEDY) == want  # recomputed from scratch, same tokens
 
 
-def test_token_ids_without_a_tokenizer(loaded, tmp_path_factory, smollm2_gguf):
+def test_token_ids_without_a_tokenizer(engine, tiny_model_path):
   """skip_tokenizer_init: a model directory without tokenizer.json serves token-id prompts."""
   from jinfer.engine.engine import LLMEngine
   from jinfer.engine.engine_config import EngineConfig
-  path = str(tmp_path_factory.mktemp("no_tokenizer"))
-  tiny_loaded(path, smollm2_gguf)  # writes config.json and weights, no tokenizer files
-  eng = LLMEngine(path, skip_tokenizer_init=True, warmup=False,
-                  config=EngineConfig(max_model_len=128, max_num_batched_tokens=32))
+  # The tiny model's own directory: config.json and weights, no tokenizer files. The module
+  # engine's options, so its steps come from the compilation cache.
+  eng = LLMEngine(tiny_model_path, skip_tokenizer_init=True, warmup=False,
+                  config=EngineConfig(**OPTIONS))
   assert eng.tokenizer is None
   prompt = _prompts(1, seed=16)[0][:20]
   out = _run(eng, [prompt], GREEDY)[0]
-  assert out == _run(make_engine(loaded, warmup=False, max_model_len=128,
-                                 max_num_batched_tokens=32), [prompt], GREEDY)[0]
+  assert out == _run(engine, [prompt], GREEDY)[0]
   with pytest.raises(ValueError, match="no tokenizer"):
     eng.add_request(None, "text needs a tokenizer", GREEDY)
   with pytest.raises(ValueError, match="stop strings"):

@@ -17,7 +17,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition,
                                  run_state_machine_as_test)
 
 from jinfer.sampling.params import SamplingParams
-from tests.engine_fixtures import make_engine
+from tests.engine_fixtures import SMALL_POOL, make_engine
 from tests.fuzz import INT_EDGES, fuzz_settings, one_edge, sampling_fields
 
 pytestmark = pytest.mark.fuzz
@@ -28,10 +28,9 @@ MATE_PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-  # One step shape (8 tokens): a single compile. Long prompts are chunked, and the pool of 32
-  # pages of 4 tokens can run out, so sequences are preempted and recomputed.
-  return make_engine(tiny_model, max_model_len=64, page_size=4, num_pages=33, max_num_seqs=6,
-                     max_num_batched_tokens=8, max_prefill_seqs=2)
+  # Long prompts are chunked, and the pool of 32 pages of 4 tokens can run out, so sequences are
+  # preempted and recomputed.
+  return make_engine(tiny_model, **SMALL_POOL)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import time
 import openai
 import pytest
 
-from tests.engine_fixtures import make_engine
+from tests.engine_fixtures import SMALL_POOL, make_engine
 from tests.live_server import http, live_server, post_json, raw_request, wait_idle
 
 MODEL = "tiny"
@@ -26,9 +26,8 @@ MATE = dict(model=MODEL, prompt="The capital of France is", max_tokens=12, tempe
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-  # One step shape (8 tokens): a single compile.
-  engine = make_engine(tiny_model, max_model_len=64, page_size=8, max_num_seqs=4,
-                       max_num_batched_tokens=8)
+  # test_fuzz_engine's options: its compiled steps are in the compilation cache.
+  engine = make_engine(tiny_model, **SMALL_POOL)
   with live_server(engine, MODEL, max_waiting=4, max_request_bytes=1 << 20, header_timeout=2.0,
                    body_timeout=1.0, max_connections=250, allowed_hosts=("api.example",),
                    allowed_origins=(APP,)) as srv:
