@@ -28,10 +28,11 @@ class PagedBatch:
     self._fwd = jax.jit(model.apply, static_argnames="return_hidden")
 
   def step(self, chunks: list[list[int]], pad_to: int | None = None, all_rows: bool = False,
-           return_hidden: bool = False):
+           return_hidden: bool = False, max_q_len: int | None = None):
     """Append `chunks[s]` to sequence s; return logits of each sequence's last new token [S, V]
     (or of every new token, [T, V], with `all_rows`), and their final hidden states [S or T, E]
-    with `return_hidden`."""
+    with `return_hidden`. `pad_to` and `max_q_len` (a static bound, at least the longest chunk)
+    let steps of different chunks share one compiled shape."""
     ids, pos, slots, cu = [], [], [], [0]
     for s, chunk in enumerate(chunks):
       for j, tok in enumerate(chunk):
@@ -42,12 +43,14 @@ class PagedBatch:
       cu.append(cu[-1] + len(chunk))
       self.lens[s] += len(chunk)
     t = len(ids)
+    assert max_q_len is None or max_q_len >= max(map(len, chunks))
     pad = (pad_to or t) - t
     ids, pos, slots = ids + [0] * pad, pos + [0] * pad, slots + [0] * pad  # padding -> sink page
     md = AttentionMetadata(
         slot_mapping=jnp.asarray(slots, jnp.int32), block_table=jnp.asarray(self.block_table),
         kv_lens=jnp.asarray(self.lens), cu_q_lens=jnp.asarray(cu, jnp.int32),
-        num_seqs=jnp.asarray([len(chunks)], jnp.int32), max_q_len=max(map(len, chunks)))
+        num_seqs=jnp.asarray([len(chunks)], jnp.int32),
+        max_q_len=max_q_len or max(map(len, chunks)))
     logits_idx = jnp.arange(t) if all_rows else jnp.asarray(np.array(cu[1:]) - 1, jnp.int32)
     logits, hidden, self.cache = self._fwd(
         {"params": self.params}, jnp.asarray(ids, jnp.int32), jnp.asarray(pos, jnp.int32),

@@ -1,6 +1,7 @@
 """Model stack vs HF transformers on tiny random models of every supported architecture."""
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -88,9 +89,11 @@ def test_chunked_prefill_matches_hf(tiny_model):
   prompt = rng.integers(0, config.vocab_size, 37).tolist()
   other = rng.integers(0, config.vocab_size, 9).tolist()
   batch = PagedBatch(CausalLM(config), params, 2, PAGE_SIZE, 64, seed=3)
-  # Chunks of 16 for the long prompt while the short one prefills then decodes beside it.
-  batch.step([prompt[:16], other])
-  batch.step([prompt[16:32], [5]])
-  logits = batch.step([prompt[32:], [7]])
+  # Chunks of 16 for the long prompt while the short one prefills then decodes beside it; one
+  # padded shape for the three steps, so one compile.
+  step = functools.partial(batch.step, pad_to=32, max_q_len=16)
+  step([prompt[:16], other])
+  step([prompt[16:32], [5]])
+  logits = step([prompt[32:], [7]])
   np.testing.assert_allclose(logits[0], _hf_logits(hf, prompt)[-1], atol=1e-4, rtol=0)
   np.testing.assert_allclose(logits[1], _hf_logits(hf, other + [5, 7])[-1], atol=1e-4, rtol=0)

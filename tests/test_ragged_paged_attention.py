@@ -10,6 +10,7 @@ The Pallas kernels run in interpret mode, so everything here runs on the CPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -208,15 +209,22 @@ def metadata(case: Case, b: dict, page_indices=None) -> AttentionMetadata:
       max_q_len=case.max_q_len, verify_width=case.verify_width)
 
 
+@functools.cache
+def _jitted(case: Case, backend: str, softmax_state: bool, kw: tuple):
+  """One jitted call per case and options: runs that differ only in their arrays (the split
+  context's page tables) share its compile."""
+  return jax.jit(lambda q, cache, md, window: ragged_paged_attention(
+      q, cache, md, layer=jnp.int32(LAYER), sm_scale=case.head_dim ** -0.5,
+      sliding_window=window, soft_cap=case.soft_cap, k_scale=case.k_scale,
+      v_scale=case.v_scale, return_softmax_state=softmax_state, backend=backend, **dict(kw)))
+
+
 def run(case: Case, b: dict, backend: str, *, page_indices=None, softmax_state=False, **kw):
   dt = jnp.dtype(case.dtype)
   md = metadata(case, b, page_indices)
   # The window goes in traced, as a layer scan passes it.
   window = None if case.sliding_window is None else jnp.int32(case.sliding_window)
-  fn = jax.jit(lambda q, cache, md, window: ragged_paged_attention(
-      q, cache, md, layer=jnp.int32(LAYER), sm_scale=case.head_dim ** -0.5,
-      sliding_window=window, soft_cap=case.soft_cap, k_scale=case.k_scale,
-      v_scale=case.v_scale, return_softmax_state=softmax_state, backend=backend, **kw))
+  fn = _jitted(case, backend, softmax_state, tuple(sorted(kw.items())))
   res = fn(jnp.asarray(b["q"], dt), jnp.asarray(b["cache"], dt), md, window)
   o, lse = res if softmax_state else (res, None)
   assert o.shape == b["q"].shape and o.dtype == dt
