@@ -20,10 +20,16 @@ SHAPES = [
 ]
 
 
+# Jitted, the test's own quantization and reference products compile once per shape instead of
+# once per op and shape (most of this file's compiles were those).
+_quantize_per_channel = jax.jit(quantize_per_channel)
+_reference = jax.jit(int8_matmul, static_argnames=("mode", "transpose_w"))
+
+
 def _operands(m, k, n, dtype, seed=0):
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-  w_int8, w_scale = quantize_per_channel(jnp.asarray(rng.standard_normal((k, n)) * 0.05))
+  w_int8, w_scale = _quantize_per_channel(jnp.asarray(rng.standard_normal((k, n)) * 0.05))
   return x, w_int8, w_scale
 
 
@@ -64,7 +70,7 @@ def test_kernel_matches_reference(backend, mode, dtype, m, k, n, blocks):
   fn = jax.jit(lambda x, wq, ws: int8_matmul(x, wq, ws, mode=mode, backend=backend,
                                              interpret=True, **blocks))
   got = fn(x, wq, ws)
-  want = int8_matmul(x, wq, ws, mode=mode)
+  want = _reference(x, wq, ws, mode=mode)
   assert got.shape == (m, n) and got.dtype == x.dtype
   tol = 1e-2 if dtype == "bfloat16" else 1e-5  # bf16: output rounding only
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
@@ -157,7 +163,7 @@ def test_xla_backend_matches_reference(mode, m, transpose_w):
   x, w_int8, w_scale = _operands(m, 512, 1024, jnp.float32, seed=3)
   x = x.at[:, 7].multiply(50.0)
   w = w_int8.T if transpose_w else w_int8
-  want = int8_matmul(x, w, w_scale, mode=mode, transpose_w=transpose_w)
+  want = _reference(x, w, w_scale, mode=mode, transpose_w=transpose_w)
   got = jax.jit(lambda x, w, s: int8_matmul(x, w, s, mode=mode, backend="xla",
                                             transpose_w=transpose_w))(x, w, w_scale)
   if mode == "w8a8":
