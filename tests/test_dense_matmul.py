@@ -11,7 +11,7 @@ from pallas_kernels.dense_matmul import BACKENDS, dense_matmul
 
 
 def _normal(seed: int, shape: tuple[int, ...]) -> jax.Array:
-  # numpy draws: jax.random compiles its generator for every shape (about a second each here).
+  # numpy draws: jax.random compiles its generator for every shape.
   return jax.numpy.asarray(np.random.default_rng(seed).standard_normal(shape), np.float32)
 
 

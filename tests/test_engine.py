@@ -19,7 +19,8 @@ def loaded(tiny_model):
   return tiny_model
 
 
-# Small budget and pool: long prompts are chunked and the pool forces preemption.
+# Small budget and pool: long prompts are chunked and the pool forces preemption. Engines built
+# with these same options load the module engine's compiled steps from the compilation cache.
 OPTIONS = dict(max_model_len=256, page_size=8, num_pages=90, max_num_seqs=16,
                max_num_batched_tokens=64, max_prefill_seqs=2)
 
@@ -48,8 +49,7 @@ def test_greedy_output_same_alone_and_in_a_batch(engine):
 
 @pytest.mark.slow
 def test_prefix_cache_skips_shared_prompt_and_keeps_output(loaded):
-  eng = make_engine(loaded, warmup=False, max_model_len=256, page_size=8, max_num_seqs=8,
-                    max_num_batched_tokens=64)
+  eng = make_engine(loaded, warmup=False, **OPTIONS)
   system = _prompts(1, seed=3, lo=96, hi=97)[0]
   prompts = [system + q for q in _prompts(4, seed=4, lo=5, hi=9)]
   first = _run(eng, prompts[:1], GREEDY)
@@ -59,8 +59,7 @@ def test_prefix_cache_skips_shared_prompt_and_keeps_output(loaded):
   # The 96-token system prompt is 12 full pages: only the question tails are computed.
   assert computed <= sum(len(p) - 96 for p in prompts[1:]) + 3 * 8
   assert eng.stats().prefix_hit_rate > 0.5
-  cold = make_engine(loaded, warmup=False, max_model_len=256, page_size=8, max_num_seqs=8,
-                     max_num_batched_tokens=64, enable_prefix_caching=False)
+  cold = make_engine(loaded, warmup=False, **OPTIONS, enable_prefix_caching=False)
   assert _run(cold, prompts, GREEDY) == first + rest
 
 
@@ -102,8 +101,9 @@ def test_seeded_sampling_independent_of_batch(engine):
 
 @pytest.mark.slow
 def test_no_compiles_after_warmup(loaded):
-  eng = make_engine(loaded, max_model_len=256, page_size=8, max_num_seqs=8,
-                    max_num_batched_tokens=32, max_prefill_seqs=2)
+  # A fresh engine (its own jitted steps), warmed up from the compilation cache where the module
+  # engine left its steps.
+  eng = make_engine(loaded, **OPTIONS)
   counter = CompileCounter()
   prompts = _prompts(12, seed=10, lo=1, hi=200)
   params = [SamplingParams(temperature=t, top_p=tp, top_k=k, min_p=mp, max_tokens=m, seed=i,
@@ -120,8 +120,7 @@ def test_no_compiles_after_warmup(loaded):
 
 @pytest.mark.slow
 def test_n_samples_share_prompt_pages(loaded):
-  eng = make_engine(loaded, warmup=False, max_model_len=256, page_size=8, max_num_seqs=8,
-                    max_num_batched_tokens=64)
+  eng = make_engine(loaded, warmup=False, **OPTIONS)
   prompt = _prompts(1, seed=11, lo=64, hi=65)[0]
   rid = eng.add_request(None, prompt, SamplingParams(n=3, temperature=8.0, seed=5, max_tokens=8))
   out = eng.run_to_completion([rid])[rid]
