@@ -90,6 +90,12 @@ SMALL_POOL = dict(max_model_len=64, page_size=4, num_pages=33, max_num_seqs=6,
                   max_num_batched_tokens=8, max_prefill_seqs=2)
 
 
+# The real SmolLM2's engine options wherever the test does not need its own: an engine with these
+# options compiles its six steps once per session (and per cache), the others load them. 59 usable
+# pages (944 tokens) for 8 sequences of up to 512: a long batch is preempted.
+SMOLLM2 = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=32, num_pages=60)
+
+
 def make_engine(loaded, warmup: bool = True, **options) -> LLMEngine:
   return LLMEngine.from_parts(*loaded, config=EngineConfig(**options), warmup=warmup)
 

@@ -13,6 +13,7 @@ from jinfer.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFu
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.sampling.params import SamplingParams
+from tests.engine_fixtures import SMOLLM2
 
 pytestmark = pytest.mark.slow
 
@@ -21,9 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 @pytest.fixture(scope="module")
 def engine(smollm2_gguf) -> LLMEngine:
-  # One step shape (8 tokens, 4 sequences): warmup compiles once.
-  return LLMEngine(smollm2_gguf, config=EngineConfig(
-      max_model_len=128, max_num_seqs=4, max_num_batched_tokens=8, max_prefill_seqs=1))
+  return LLMEngine(smollm2_gguf, config=EngineConfig(**SMOLLM2))
 
 
 def run(engine: LLMEngine, body, **options):
@@ -68,7 +67,7 @@ def test_stream_deltas_add_up_and_match_the_offline_engine(engine):
 def test_invalid_requests_raise_at_the_call_and_queue_nothing(engine):
   async def body(aeng):
     with pytest.raises(ValueError, match="max_model_len"):
-      aeng.generate("word " * 200, GREEDY)
+      aeng.generate("word " * 600, GREEDY)
     with pytest.raises(ValueError, match="empty"):
       aeng.generate([], GREEDY)
     with pytest.raises(ValueError, match="exceeds"):

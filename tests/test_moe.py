@@ -132,9 +132,10 @@ def test_chunked_prefill_matches_hf(tiny_moe):
   prompt = rng.integers(0, config.vocab_size, 37).tolist()
   other = rng.integers(0, config.vocab_size, 9).tolist()
   batch = PagedBatch(CausalLM(config), params, 2, PAGE_SIZE, 64, seed=3)
-  batch.step([prompt[:16], other], pad_to=32)
-  batch.step([prompt[16:32], [5]], pad_to=32)
-  logits = batch.step([prompt[32:], [7]], pad_to=32)
+  # One padded shape for the three steps, so one compile.
+  batch.step([prompt[:16], other], pad_to=32, max_q_len=16)
+  batch.step([prompt[16:32], [5]], pad_to=32, max_q_len=16)
+  logits = batch.step([prompt[32:], [7]], pad_to=32, max_q_len=16)
   np.testing.assert_allclose(logits[0], _hf_logits(hf, prompt)[-1], atol=1e-4, rtol=0)
   np.testing.assert_allclose(logits[1], _hf_logits(hf, other + [5, 7])[-1], atol=1e-4, rtol=0)
 

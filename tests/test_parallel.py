@@ -29,7 +29,7 @@ from jinfer.parallel.attention import paged_attention
 from jinfer.parallel.mesh import ParallelConfig, make_mesh
 from jinfer.sampling.params import SamplingParams
 from pallas_kernels import AttentionMetadata
-from tests.engine_fixtures import CompileCounter
+from tests.engine_fixtures import SMOLLM2, CompileCounter
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
                                 reason="needs 8 devices (conftest.py sets jax_num_cpu_devices)")
@@ -297,7 +297,7 @@ def test_smollm2_tensor_parallel_3(smollm2_gguf):
   from jinfer import LLM
   prompts = ["The capital of France is", "def fibonacci(n):"]
   sp = SamplingParams(max_tokens=12, temperature=0.0)
-  opts = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, warmup=False)
+  opts = dict(SMOLLM2, warmup=False)  # one device's steps come from the compilation cache
   want = [o.outputs[0].token_ids for o in LLM(smollm2_gguf, **opts).generate(prompts, sp)]
   got = [o.outputs[0].token_ids
          for o in LLM(smollm2_gguf, tensor_parallel_size=3, **opts).generate(prompts, sp)]
@@ -372,11 +372,9 @@ def _spawn(model_dir, port, pid, spec):
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm2_gguf):
+def tiny_dir(tiny_model_path, tiny_model):
   """An HF directory each process loads, and its params loaded here."""
-  from tests.engine_fixtures import tiny_loaded
-  path = str(tmp_path_factory.mktemp("tiny_hf"))
-  return path, tiny_loaded(path, smollm2_gguf)
+  return tiny_model_path, tiny_model
 
 
 MP_SPEC = dict(options=dict(BASE, max_model_len=512, max_num_batched_tokens=64,
@@ -403,7 +401,8 @@ def test_two_processes_match_one(tiny_dir):
 @pytest.mark.slow
 def test_killed_peer_is_an_error_not_a_hang(tiny_dir):
   port = _free_port()
-  spec = dict(MP_SPEC, max_tokens=400)  # long enough to be killed mid-way
+  # Long enough to be killed mid-way; a 10 s heartbeat instead of the default 30 s to wait out.
+  spec = dict(MP_SPEC, max_tokens=400, heartbeat_timeout_s=10)
   procs = [_spawn(tiny_dir[0], port, pid, spec) for pid in (0, 1)]
   leader, follower = procs
   t0 = time.monotonic()
@@ -411,7 +410,7 @@ def test_killed_peer_is_an_error_not_a_hang(tiny_dir):
     assert time.monotonic() - t0 < 600 and leader.poll() is None
   follower.send_signal(signal.SIGKILL)
   t0 = time.monotonic()
-  _, err = leader.communicate(timeout=120)  # the heartbeat timeout is 30 s
+  _, err = leader.communicate(timeout=120)
   assert leader.returncode != 0
   assert time.monotonic() - t0 < 120
   assert "heartbeat" in err or "task" in err.lower(), err[-3000:]

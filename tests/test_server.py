@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
+from tests.engine_fixtures import SMOLLM2
 from tests.fuzz import INT_EDGES, edges, fuzz_settings, one_edge, sampling_fields
 from tests.live_server import http, live_server, post_json, wait_idle
 
@@ -36,8 +37,7 @@ MATE = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf):
-  engine = LLMEngine(smollm2_gguf, config=EngineConfig(
-      max_model_len=512, max_num_seqs=8, max_num_batched_tokens=32))
+  engine = LLMEngine(smollm2_gguf, config=EngineConfig(**SMOLLM2))
   with live_server(engine, MODEL, api_key=KEY, shutdown_timeout=3.0) as srv:
     yield srv
 

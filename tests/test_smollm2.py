@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from jinfer import LLM, SamplingParams
+from tests.engine_fixtures import SMOLLM2
 from tests.paged_batch import PagedBatch
 
 pytestmark = pytest.mark.slow  # HF transformers on the real model
@@ -25,8 +26,7 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def llm():
-  return LLM(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=128, page_size=16,
-             num_pages=60)
+  return LLM(**SMOLLM2)
 
 
 def _hf_greedy_picks(hf_model, ids: list[int], new: list[int]) -> list[int]:
@@ -83,7 +83,7 @@ def test_batch_invariance_with_chunking_preemption_and_prefix_hits(llm):
   before = llm.engine.stats()
   batch = llm.generate(watched + fillers, params)
   after = llm.engine.stats()
-  # 59 usable pages (944 tokens) for 16 running sequences of up to ~240: preemption happens.
+  # 59 usable pages (944 tokens) for 8 running sequences of up to ~240: preemption happens.
   assert after.num_preemptions > before.num_preemptions
   assert after.prefix_hit_rate > 0
   assert [o.outputs[0].token_ids for o in batch[:len(watched)]] == alone
