@@ -267,16 +267,16 @@ def test_a_failed_step_fails_its_requests_and_the_engine_recovers(loaded):
                     max_num_batched_tokens=256)
   prompts = _prompts(3, seed=11)
   want = _run(eng, prompts, GREEDY)  # also leaves their pages in the prefix cache
-  real_step = eng.runner._step
+  real = eng.runner.variant(256)  # the step below prefills two prompts: the scanned variant
 
   def failing_step(params, cache, inp, drafts, heads):
     cache.delete()  # what a call that consumed its donated input leaves behind
     raise RuntimeError("injected device failure")
 
   rids = [eng.add_request(None, p, GREEDY) for p in prompts]  # max_num_seqs=2: the last waits
-  eng.runner._step = failing_step
+  eng.runner._main = dataclasses.replace(real, step=failing_step)
   outs = eng.step()
-  eng.runner._step = real_step
+  eng.runner._main = real
   assert sorted(o.request_id for o in outs) == sorted(rids[:2])
   for o in outs:
     assert o.finished and "injected device failure" in o.error
