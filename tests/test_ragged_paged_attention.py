@@ -92,6 +92,12 @@ FAST_CASES = ("mha_d64_p8_f32", "gqa8_d64_p16_window", "verify_trees_gqa4_d64_p8
 CASE_PARAMS = [pytest.param(c, id=c.name,
                             marks=() if c.name in FAST_CASES else pytest.mark.slow)
                for c in CASES]
+# The split-context merge and the default blocks run in the fast tier on its two richest cases
+# (tree rows, absent pages and a window); on every case in the slow tier.
+RICH_CASES = ("verify_trees_gqa4_d64_p8", "absent_pages_gqa2_d64_p8")
+RICH_CASE_PARAMS = [pytest.param(c, id=c.name,
+                                 marks=() if c.name in RICH_CASES else pytest.mark.slow)
+                    for c in CASES]
 
 
 def random_tree(rng, n: int) -> np.ndarray:  # [n, n] bool: row i sees its ancestors and itself
@@ -241,11 +247,20 @@ def check(case: Case, got: np.ndarray, want: np.ndarray):
   assert (got[n_real:] == 0).all()
 
 
-@pytest.fixture(scope="module", params=CASE_PARAMS)
-def case_batch(request):
-  case = request.param
+@functools.cache
+def _batch(case: Case) -> tuple:
   b = make_batch(case)
   return case, b, oracle(case, b)
+
+
+@pytest.fixture(scope="module", params=CASE_PARAMS)
+def case_batch(request):
+  return _batch(request.param)
+
+
+@pytest.fixture(scope="module", params=RICH_CASE_PARAMS)
+def rich_case_batch(request):
+  return _batch(request.param)
 
 
 def _backend_kw(case: Case, backend: str) -> dict:
@@ -260,18 +275,18 @@ def test_against_oracle(case_batch, backend):
   check(case, run(case, b, backend, **_backend_kw(case, backend)), want)
 
 
-def test_xla_default_blocks(case_batch):
+def test_xla_default_blocks(rich_case_batch):
   """The CPU path with its own block choices (the other tests use tiles that straddle
   sequences and one page per context step, so every tiling path runs)."""
-  case, b, (want, _) = case_batch
+  case, b, (want, _) = rich_case_batch
   check(case, run(case, b, "xla"), want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_softmax_state_merges_split_context(case_batch, backend):
+def test_softmax_state_merges_split_context(rich_case_batch, backend):
   """Each sequence's pages split at random in two parts, each part attended alone with the other
   marked absent: the merged result equals one pass, and so does the log-sum-exp."""
-  case, b, (want, want_lse) = case_batch
+  case, b, (want, want_lse) = rich_case_batch
   rng = np.random.default_rng(7)
   pages = b["page_indices"]
   part = rng.random(pages.shape) < 0.5
