@@ -61,7 +61,10 @@ def test_reference_close_to_float_matmul(mode):
   np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max(), rtol=0)
 
 
-@pytest.mark.parametrize("m,k,n,blocks", SHAPES, ids=[f"{s[0]}x{s[1]}x{s[2]}" for s in SHAPES])
+@pytest.mark.parametrize("m,k,n,blocks", [
+    pytest.param(*s, id=f"{s[0]}x{s[1]}x{s[2]}",
+                 # 50x200x72 has two M tiles and K steps too (and padding): fast tier without it.
+                 marks=pytest.mark.slow if s[0] == 37 else ()) for s in SHAPES])
 @pytest.mark.parametrize("mode,dtype", [("w8a16", "float32"), ("w8a16", "bfloat16"),
                                         ("w8a8", "float32"), ("w8a8", "bfloat16")])
 @pytest.mark.parametrize("backend", [b for b, _ in KERNELS])
