@@ -21,6 +21,13 @@ import jax  # noqa: E402
 # other test runs on the first, as on one device.
 jax.config.update("jax_num_cpu_devices", 8)
 
+from jinfer.engine import compilation_cache  # noqa: E402
+
+# JAX's persistent compilation cache, process-wide, from the start: the first engine built would
+# turn it on anyway, and from then on only, so the tests before it (or a kernel test file run
+# alone) compiled everything afresh on every run.
+compilation_cache.enable()
+
 import torch  # noqa: E402
 
 # HF transformers is the reference here, on small models and short sequences. With one OpenMP

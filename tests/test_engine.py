@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jinfer.sampling.params import SamplingParams
-from tests.engine_fixtures import CompileCounter, make_engine, random_prompts, run_tokens
+from tests.engine_fixtures import SMALL_POOL, CompileCounter, make_engine, random_prompts, run_tokens
 from tests.paged_batch import PagedBatch
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -19,24 +19,26 @@ def loaded(tiny_model):
   return tiny_model
 
 
-# Small budget and pool: long prompts are chunked and the pool forces preemption. Engines built
-# with these same options load the module engine's compiled steps from the compilation cache.
+# The module engine: SMALL_POOL's 8-token budget chunks every prompt past 8 tokens and its 32 pages
+# of 4 tokens force preemption; test_fuzz_engine and test_server_guard build theirs with the same
+# options, so its steps are compiled once for the three. Prompts fit its max_model_len of 64.
+@pytest.fixture(scope="module")
+def engine(loaded):
+  return make_engine(loaded, **SMALL_POOL)
+
+
+# The slow tests' fresh engines, for prompts up to 200 tokens: built with these same options, they
+# share their compiled steps through the compilation cache.
 OPTIONS = dict(max_model_len=256, page_size=8, num_pages=90, max_num_seqs=16,
                max_num_batched_tokens=64, max_prefill_seqs=2)
 
-
-@pytest.fixture(scope="module")
-def engine(loaded):
-  return make_engine(loaded, **OPTIONS)
-
-
-_prompts = functools.partial(random_prompts, hi=120)
+_prompts = functools.partial(random_prompts, hi=40)
 _run = run_tokens
 
 
 def test_greedy_output_same_alone_and_in_a_batch(engine):
   prompts = _prompts(20)
-  shared = _prompts(1, seed=9, lo=40, hi=41)[0]
+  shared = _prompts(1, seed=9, lo=24, hi=25)[0]  # six full pages
   prompts += [shared + p[:7] for p in prompts[:4]]  # prefix hits among these
   alone = [_run(engine, [p], GREEDY)[0] for p in prompts]
   before = engine.stats()
@@ -69,7 +71,7 @@ def test_random_aborts_leak_no_pages(engine):
   prompts = _prompts(24, seed=6)
   live = []
   for i, p in enumerate(prompts):
-    live.append(engine.add_request(f"leak-{i}", p, SamplingParams(temperature=0.8, max_tokens=40)))
+    live.append(engine.add_request(f"leak-{i}", p, SamplingParams(temperature=0.8, max_tokens=24)))
     for _ in range(int(rng.integers(0, 3))):
       for o in engine.step():
         if o.finished:
@@ -101,8 +103,8 @@ def test_seeded_sampling_independent_of_batch(engine):
 
 @pytest.mark.slow
 def test_no_compiles_after_warmup(loaded):
-  # A fresh engine (its own jitted steps), warmed up from the compilation cache where the module
-  # engine left its steps.
+  # A fresh engine (its own jitted steps), warmed up partly from the compilation cache where the
+  # other slow tests' engines with these options left their steps.
   eng = make_engine(loaded, **OPTIONS)
   counter = CompileCounter()
   prompts = _prompts(12, seed=10, lo=1, hi=200)
@@ -297,7 +299,7 @@ def test_token_ids_without_a_tokenizer(engine, tiny_model_path):
   # The tiny model's own directory: config.json and weights, no tokenizer files. The module
   # engine's options, so its steps come from the compilation cache.
   eng = LLMEngine(tiny_model_path, skip_tokenizer_init=True, warmup=False,
-                  config=EngineConfig(**OPTIONS))
+                  config=EngineConfig(**SMALL_POOL))
   assert eng.tokenizer is None
   prompt = _prompts(1, seed=16)[0][:20]
   out = _run(eng, [prompt], GREEDY)[0]
