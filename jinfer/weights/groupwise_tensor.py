@@ -1,0 +1,116 @@
+"""One weight re-encoded into the group-wise quantized format, held on the host (numpy).
+
+The format is `pallas_kernels.groupwise_matmul.packing`'s: a weight `w [..., K, N]` (K contracts
+with the input, N is the output) is `q * scale + offset` per group of `group_size` rows of K,
+`q` 4-bit packed per group or int8. Checkpoint readers (`gguf_quantized`, `hf_quantized`)
+produce this record without going through float weights; the model integration places it on a
+device later. Packing and dequantizing call the format's own functions on the CPU backend, so
+the layout has one definition.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from pallas_kernels.groupwise_matmul import packing
+
+
+def _on_host(fn, *args, **kwargs) -> np.ndarray:
+  """`fn` (a jnp function of the format) evaluated on the CPU backend, as numpy."""
+  with jax.default_device(jax.local_devices(backend="cpu")[0]):
+    return np.asarray(fn(*args, **kwargs))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class GroupwiseTensor:
+  """A weight `w [..., K, N]` in the group-wise format (see `packing`)."""
+  q: np.ndarray  # bits 4: [..., K/2, N] uint8, packed per group; bits 8: [..., K, N] int8
+  scale: np.ndarray  # [..., K/g, N] float32
+  offset: np.ndarray  # [..., K/g, N] float32
+  bits: int
+  group_size: int
+  # [..., K] row order (GPTQ's act-order): stored row i is the weight's row perm[i], so
+  # x @ w == x[..., perm] @ w_stored and the caller permutes the activations. None: in order.
+  perm: np.ndarray | None = None
+
+  def __post_init__(self):
+    bits, g = self.bits, self.group_size
+    if bits not in packing.BITS:
+      raise ValueError(f"bits must be one of {packing.BITS}, got {bits}")
+    want = np.uint8 if bits == 4 else np.int8
+    if self.q.dtype != want:
+      raise ValueError(f"bits={bits} stores q as {np.dtype(want).name}, got {self.q.dtype}")
+    *lead, rows, n = self.q.shape
+    k = 2 * rows if bits == 4 else rows
+    if g <= 0 or k % g or (bits == 4 and g % 2):
+      raise ValueError(f"group size {g} must divide K={k} (and be even for 4 bits)")
+    for name in ("scale", "offset"):
+      arr = getattr(self, name)
+      if arr.dtype != np.float32 or arr.shape != (*lead, k // g, n):
+        raise ValueError(f"{name} must be float32 {(*lead, k // g, n)}, got {arr.dtype} "
+                         f"{arr.shape}")
+    if self.perm is not None and self.perm.shape != (*lead, k):
+      raise ValueError(f"perm must have shape {(*lead, k)}, got {self.perm.shape}")
+
+  @classmethod
+  def from_codes(cls, codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, *, bits: int,
+                 group_size: int, perm: np.ndarray | None = None) -> GroupwiseTensor:
+    """codes [..., K, N]: integers in 0..15 (bits 4, packed here) or -128..127 (bits 8)."""
+    if bits == 4:
+      q = _on_host(packing.pack_int4, codes.astype(np.uint8), group_size)
+    else:
+      q = codes.astype(np.int8)
+    return cls(q=q, scale=np.ascontiguousarray(scale, np.float32),
+               offset=np.ascontiguousarray(offset, np.float32), bits=bits,
+               group_size=group_size, perm=perm)
+
+  @property
+  def shape(self) -> tuple[int, ...]:  # (..., K, N) of the weight
+    *lead, rows, n = self.q.shape
+    return (*lead, 2 * rows if self.bits == 4 else rows, n)
+
+  @property
+  def nbytes(self) -> int:
+    extra = 0 if self.perm is None else self.perm.nbytes
+    return self.q.nbytes + self.scale.nbytes + self.offset.nbytes + extra
+
+  def codes(self) -> np.ndarray:  # [..., K, N] uint8 (bits 4) or int8, in stored row order
+    return _on_host(packing.unpack_int4, self.q, self.group_size) if self.bits == 4 else self.q
+
+  def dequantize(self) -> np.ndarray:
+    """The float32 weight [..., K, N] in the checkpoint's row order (tests and fallbacks; the
+    kernels read q, scale and offset)."""
+    w = _on_host(packing.dequantize, self.q, self.scale, self.offset, bits=self.bits,
+                 group_size=self.group_size)
+    if self.perm is None:
+      return w
+    inverse = np.argsort(self.perm, axis=-1)
+    return np.take_along_axis(w, inverse[..., :, None], axis=-2)
+
+
+def concat_columns(parts: list[GroupwiseTensor], name: str) -> GroupwiseTensor:
+  """Join weights along N (a fused projection such as gate_up); `name` is for the error."""
+  first = parts[0]
+  for p in parts[1:]:
+    if (p.bits, p.group_size, p.shape[:-1]) != (first.bits, first.group_size, first.shape[:-1]):
+      raise ValueError(f"{name}: parts of bits/group/shape {(first.bits, first.group_size)} "
+                       f"{first.shape} and {(p.bits, p.group_size)} {p.shape} cannot be joined")
+    if p.perm is not None:
+      raise ValueError(f"{name}: parts with a row permutation cannot be joined")
+  cat = lambda field: np.concatenate([getattr(p, field) for p in parts], axis=-1)
+  return GroupwiseTensor(q=cat("q"), scale=cat("scale"), offset=cat("offset"), bits=first.bits,
+                         group_size=first.group_size)
+
+
+class GroupwiseWeights(NamedTuple):
+  """A checkpoint read into the group-wise format."""
+  # HF module name (e.g. "model.layers.0.self_attn.q_proj", no ".weight") or fused HF parameter
+  # name ("model.layers.0.mlp.experts.gate_up_proj") -> its weight [..., K, N]
+  linears: dict[str, GroupwiseTensor]
+  # every other tensor under its HF name, in HF layout: embeddings, norms, biases, float layers
+  floats: dict[str, np.ndarray]
+  # names in `floats` the file stored quantized, dequantized because asked to -> why
+  dequantized: dict[str, str]
