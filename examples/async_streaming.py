@@ -33,7 +33,7 @@ async def stream(engine: AsyncLLMEngine, name: str, prompt: str, params: Samplin
 
 
 async def run(args) -> dict[str, str]:
-  engine = AsyncLLMEngine(LLMEngine(args.model, warmup=args.warmup, config=EngineConfig(
+  engine = AsyncLLMEngine(LLMEngine(args.model, warmup=args.warmup, config=EngineConfig.of(
       max_model_len=256, max_num_seqs=8)))
   engine.start()
   try:

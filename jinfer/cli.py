@@ -9,31 +9,26 @@ from jinfer.serving.options import ServerOptions
 from jinfer.loader import DEFAULT_MODEL
 
 
-def _engine_fields():
-  import dataclasses
-
-  from jinfer.engine.engine_config import EngineConfig
-  return dataclasses.fields(EngineConfig)
-
-
 def _field_help() -> dict[str, str]:
-  """Each engine option's help: the comment lines above its field in `EngineConfig` and the
-  comment after it, so the dataclass stays the one place an option is described."""
+  """Each engine option's help: the comment lines above its field in its config section and the
+  comment after it, so the section stays the one place an option is described."""
   import inspect
   import re
 
-  from jinfer.engine.engine_config import EngineConfig
-  out, above = {}, []
-  for line in inspect.getsource(EngineConfig).splitlines():
-    code, _, comment = line.partition("#")
-    field = re.match(r"\s+(\w+): ", code)
-    if field:
-      out[field.group(1)] = " ".join(above + [comment.strip()]).strip()
-      above = []
-    elif comment and not code.strip():
-      above.append(comment.strip())
-    else:
-      above = []
+  from jinfer.engine.engine_config import SECTIONS
+  out = {}
+  for cls in SECTIONS.values():
+    above = []
+    for line in inspect.getsource(cls).splitlines():
+      code, _, comment = line.partition("#")
+      field = re.match(r"\s+(\w+): ", code)
+      if field:
+        out[field.group(1)] = " ".join(above + [comment.strip()]).strip()
+        above = []
+      elif comment and not code.strip():
+        above.append(comment.strip())
+      else:
+        above = []
   return out
 
 
@@ -43,14 +38,17 @@ _ALIASES = {"tensor_parallel_size": "-tp", "context_parallel_size": "-cp",
 
 
 def _add_engine_args(p, *, skip: tuple[str, ...] = (), **defaults):
-  """A flag per `EngineConfig` field (vLLM's names: --max-model-len, --tensor-parallel-size,
-  --speculative-config JSON, ...), help from the field's comment; `defaults` override the
-  dataclass's; `skip`: fields this command sets itself."""
+  """A flag per engine option (vLLM's names: --max-model-len, --tensor-parallel-size,
+  --speculative-config JSON, ...), grouped by config section, help from the field's comment;
+  `defaults` override the sections'; `skip`: options this command sets itself."""
+  from jinfer.engine.engine_config import SPECULATIVE, option_fields
   helps = _field_help()
-  group = p.add_argument_group("engine options (see EngineConfig)")
-  for f in _engine_fields():
+  groups = {}
+  for section, f in option_fields():
     if f.name in skip:
       continue
+    if section not in groups:
+      groups[section] = p.add_argument_group(f"engine options: {section}")
     flags = ["--" + f.name.replace("_", "-")] + ([_ALIASES[f.name]] if f.name in _ALIASES else [])
     kind = str(f.type)
     kw = dict(default=defaults.get(f.name, f.default), help=helps.get(f.name) or None)
@@ -62,9 +60,12 @@ def _add_engine_args(p, *, skip: tuple[str, ...] = (), **defaults):
       kw["type"] = int
     elif kind.startswith("float"):
       kw["type"] = float
-    elif f.name == "speculative_config":
-      kw["metavar"] = "JSON"
-    group.add_argument(*flags, **kw)
+    groups[section].add_argument(*flags, **kw)
+  if SPECULATIVE not in skip:
+    p.add_argument_group("engine options: speculative").add_argument(
+        "--speculative-config", metavar="JSON", default=defaults.get(SPECULATIVE),
+        help="speculative decoding, as JSON: {\"method\": \"ngram\" | \"draft_model\" | "
+             "\"medusa\", \"num_speculative_tokens\": k, ...} (see SpeculativeConfig)")
 
 
 def _bool(text: str) -> bool:
@@ -74,9 +75,10 @@ def _bool(text: str) -> bool:
 
 
 def _engine_config(args, **override):
-  from jinfer.engine.engine_config import EngineConfig
-  options = {f.name: getattr(args, f.name) for f in _engine_fields() if hasattr(args, f.name)}
-  return EngineConfig(**{**options, **override})
+  from jinfer.engine.engine_config import SPECULATIVE, EngineConfig, option_fields
+  names = [f.name for _, f in option_fields()] + [SPECULATIVE]
+  options = {n: getattr(args, n) for n in names if hasattr(args, n)}
+  return EngineConfig.of(**{**options, **override})
 
 
 def _engine(args):

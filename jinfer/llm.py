@@ -32,7 +32,7 @@ class LLM:
                              num_processes=num_processes, process_id=process_id)
     distributed.initialize(dist)
     self.is_leader = dist.is_leader
-    self.engine = create_engine(model, dtype=dtype, config=EngineConfig(**engine_options),
+    self.engine = create_engine(model, dtype=dtype, config=EngineConfig.of(**engine_options),
                                 warmup=warmup and self.is_leader,
                                 skip_tokenizer_init=skip_tokenizer_init)
     self.tokenizer = self.engine.tokenizer

@@ -97,7 +97,7 @@ SMOLLM2 = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=32, num
 
 
 def make_engine(loaded, warmup: bool = True, **options) -> LLMEngine:
-  return LLMEngine.from_parts(*loaded, config=EngineConfig(**options), warmup=warmup)
+  return LLMEngine.from_parts(*loaded, config=EngineConfig.of(**options), warmup=warmup)
 
 
 def random_prompts(n: int, seed: int = 0, lo: int = 5, hi: int = 60) -> list[list[int]]:

@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 @pytest.fixture(scope="module")
 def engine(smollm2_gguf) -> LLMEngine:
-  return LLMEngine(smollm2_gguf, config=EngineConfig(**SMOLLM2))
+  return LLMEngine(smollm2_gguf, config=EngineConfig.of(**SMOLLM2))
 
 
 def run(engine: LLMEngine, body, **options):

@@ -1,16 +1,16 @@
-"""Every engine option is a flag of every command that builds an engine, generated from
-`EngineConfig` (help from its comments), and the flags give the EngineConfig they spell."""
+"""Every engine option is a flag of every command that builds an engine, generated from the
+config sections' fields (help from their comments), and the flags give the EngineConfig they
+spell; flat options and nested sections are one config."""
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 
 from jinfer import cli
-from jinfer.engine.engine_config import EngineConfig
+from jinfer.engine.engine_config import (SPECULATIVE, CacheConfig, EngineConfig, ModelOptions,
+                                         option_fields)
 from jinfer.errors import ParameterError
 
-FIELDS = [f.name for f in dataclasses.fields(EngineConfig)]
+FIELDS = [f.name for _, f in option_fields()] + [SPECULATIVE]
 # What each command sets itself instead (its own --seed; one engine, no data-parallel front end).
 OWN = {"serve": (), "bench": ("seed", "data_parallel_size"),
        "generate": ("seed", "data_parallel_size"), "chat": ("seed", "data_parallel_size")}
@@ -31,7 +31,7 @@ def test_every_engine_option_is_a_flag(command):
 
 def test_options_have_help():
   helps = cli._field_help()
-  assert [f for f in FIELDS if not helps.get(f)] == []
+  assert [f for f in FIELDS if f != SPECULATIVE and not helps.get(f)] == []
   assert "token budget of one step" in helps["max_num_batched_tokens"]
 
 
@@ -41,13 +41,23 @@ def test_flags_spell_the_config():
       "-tp", "2", "--scan-layers", "false", "--num-pages", "40",
       "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
   config = cli._engine_config(args)
-  assert (config.page_size, config.enable_prefix_caching, config.quantization,
-          config.tensor_parallel_size, config.scan_layers, config.num_pages) == (
-              8, False, "int8", 2, False, 40)
-  assert config.speculative_config.num_speculative_tokens == 3
-  assert dataclasses.replace(config, page_size=16, enable_prefix_caching=True,
-                             quantization=None, tensor_parallel_size=1, scan_layers=None,
-                             num_pages=None, speculative_config=None) == EngineConfig()
+  assert config.cache == CacheConfig(page_size=8, enable_prefix_caching=False, num_pages=40)
+  assert (config.model.quantization, config.parallel.tensor_parallel_size,
+          config.kernels.scan_layers) == ("int8", 2, False)
+  assert config.speculative.num_speculative_tokens == 3
+  assert config.replace(page_size=16, enable_prefix_caching=True, quantization=None,
+                        tensor_parallel_size=1, scan_layers=None, num_pages=None,
+                        speculative_config=None) == EngineConfig()
+
+
+def test_flat_options_and_sections_are_one_config():
+  flat = EngineConfig.of(max_model_len=512, page_size=32, seed=3)
+  assert flat == EngineConfig(model=ModelOptions(max_model_len=512, seed=3),
+                              cache=CacheConfig(page_size=32))
+  assert EngineConfig.of(**flat.options()) == flat
+  with pytest.raises(ParameterError, match="unknown engine option 'max_len'") as e:
+    EngineConfig.of(max_len=512)
+  assert e.value.param == "max_len"
 
 
 def test_a_bad_option_names_its_field():

@@ -299,7 +299,7 @@ def test_token_ids_without_a_tokenizer(engine, tiny_model_path):
   # The tiny model's own directory: config.json and weights, no tokenizer files. The module
   # engine's options, so its steps come from the compilation cache.
   eng = LLMEngine(tiny_model_path, skip_tokenizer_init=True, warmup=False,
-                  config=EngineConfig(**SMALL_POOL))
+                  config=EngineConfig.of(**SMALL_POOL))
   assert eng.tokenizer is None
   prompt = _prompts(1, seed=16)[0][:20]
   out = _run(eng, [prompt], GREEDY)[0]

@@ -338,15 +338,16 @@ def test_no_compiles_after_warmup(tiny_model, heads):
     (dict(num_speculative_tokens=5), "has 3 heads"),
     (dict(acceptance_method="lucky"), "acceptance_method"),
     (dict(posterior_threshold=0.0), "posterior_threshold")])
-def test_a_bad_medusa_config_is_refused_when_made(heads, config, says):
+def test_a_bad_medusa_config_is_refused_before_the_engine_loads(heads, config, says):
+  """Refused when made, or by `resolve()` where it takes the heads' files."""
   with pytest.raises(ValueError, match=says):
     SpeculativeConfig.parse({"method": "medusa", "num_speculative_tokens": 3,
-                             "model": heads["identity"], **config})
+                             "model": heads["identity"], **config}).resolve("cpu")
 
 
 def test_medusa_with_context_parallelism_is_refused(heads):
   with pytest.raises(ValueError, match="context parallelism"):
-    EngineConfig(context_parallel_size=2, speculative_config={
+    EngineConfig.of(context_parallel_size=2, speculative_config={
         "method": "medusa", "num_speculative_tokens": 3, "model": heads["identity"]})
 
 

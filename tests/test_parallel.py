@@ -133,8 +133,8 @@ def _generate(engine, prompts, max_tokens=6):
 
 
 def _engine(params, warmup=False, **options):
-  config = EngineConfig(**{**BASE, **options})
-  cls = DataParallelEngine if config.data_parallel_size > 1 else LLMEngine
+  config = EngineConfig.of(**{**BASE, **options})
+  cls = DataParallelEngine if config.parallel.data_parallel_size > 1 else LLMEngine
   return cls.from_parts(CFG, params, None, config=config, warmup=warmup)
 
 
@@ -213,7 +213,7 @@ def test_quantized_tied_head_matches_one_device(params):
   parallelism its per-row scales follow the rows' vocabulary split."""
   tied = dataclasses.replace(CFG, tie_word_embeddings=True)
   p = {k: v for k, v in params.items() if k != "lm_head"}
-  make = lambda **o: LLMEngine.from_parts(tied, p, None, warmup=False, config=EngineConfig(
+  make = lambda **o: LLMEngine.from_parts(tied, p, None, warmup=False, config=EngineConfig.of(
       **BASE, quantization="int8", **o))
   want = _generate(make(), SHORT[:2], max_tokens=3)
   engine = make(tensor_parallel_size=2)
@@ -284,7 +284,7 @@ def test_tensor_parallel_size_that_does_not_divide():
 
 def test_parallel_config_errors(params):
   with pytest.raises(ValueError, match="power of two"):
-    EngineConfig(context_parallel_size=3)
+    EngineConfig.of(context_parallel_size=3)
   with pytest.raises(ValueError, match="needs 16 devices; 8 are available"):
     _engine(params, tensor_parallel_size=4, context_parallel_size=4)
   with pytest.raises(ValueError, match="need 16 devices"):
@@ -326,7 +326,7 @@ def moe_reference(moe_params):
   """quantization -> the one-device outputs for SHORT[:4], each computed once."""
   @functools.cache
   def outputs(quantization=None):
-    return _generate(LLMEngine.from_parts(MOE, moe_params, None, warmup=False, config=EngineConfig(
+    return _generate(LLMEngine.from_parts(MOE, moe_params, None, warmup=False, config=EngineConfig.of(
         **BASE, quantization=quantization)), SHORT[:4])
   return outputs
 
@@ -341,7 +341,7 @@ def test_expert_parallel_matches_one_device(moe_params, moe_reference, options):
   one = {k: v for k, v in options.items() if k == "quantization"}
   want = moe_reference(**one)
   engine = LLMEngine.from_parts(MOE, moe_params, None, warmup=False,
-                                config=EngineConfig(**BASE, **options))
+                                config=EngineConfig.of(**BASE, **options))
   _assert_same(_generate(engine, SHORT[:4]), want, QUANTIZED_RTOL if one else 0.0)
   experts = jax.tree.leaves(engine.runner.params["moe_layers"]["gate_up"])[0]  # [1, X, ...]
   tp = options["tensor_parallel_size"]
@@ -353,7 +353,7 @@ def test_expert_parallel_matches_one_device(moe_params, moe_reference, options):
 def test_expert_parallel_needs_experts_to_divide(moe_params):
   with pytest.raises(ValueError, match=r"number of experts \(6\) to be a multiple of 4"):
     LLMEngine.from_parts(dataclasses.replace(MOE, num_experts=6), moe_params, None, warmup=False,
-                         config=EngineConfig(**BASE, tensor_parallel_size=4,
+                         config=EngineConfig.of(**BASE, tensor_parallel_size=4,
                                              enable_expert_parallel=True))
 
 
@@ -390,7 +390,7 @@ def test_two_processes_match_one(tiny_dir):
   outs = [p.communicate(timeout=600) for p in procs]
   assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
   got = json.loads(outs[0][0].splitlines()[-1])  # gloo logs its connections on stdout too
-  one = LLMEngine.from_parts(*loaded, warmup=False, config=EngineConfig(
+  one = LLMEngine.from_parts(*loaded, warmup=False, config=EngineConfig.of(
       **{k: v for k, v in MP_SPEC["options"].items() if not k.endswith("parallel_size")}))
   want = _generate(one, MP_SPEC["prompts"], MP_SPEC["max_tokens"])
   assert got["tokens"] == [o.token_ids for o in want]

@@ -38,11 +38,11 @@ def test_random_operations_keep_every_invariant(seed):
   max_len = 64
   cfg = SchedulerConfig(max_num_seqs=int(rng.integers(1, 9)),
                         max_num_batched_tokens=int(rng.choice([8, 16, 32, 64])),
-                        max_prefill_seqs=int(rng.integers(1, 4)),
-                        max_pages_per_seq=max_len // page_size)
-  num_pages = 1 + cfg.max_pages_per_seq + int(rng.integers(0, 3 * cfg.max_pages_per_seq))
+                        max_prefill_seqs=int(rng.integers(1, 4)))
+  max_pages_per_seq = max_len // page_size
+  num_pages = 1 + max_pages_per_seq + int(rng.integers(0, 3 * max_pages_per_seq))
   blocks = BlockManager(num_pages, page_size, enable_prefix_caching=bool(rng.random() < 0.8))
-  sched = Scheduler(cfg, blocks)
+  sched = Scheduler(cfg, blocks, max_pages_per_seq)
   shared = rng.integers(0, 50, 40).tolist()  # common prefixes make prefix-cache hits
   live: list[Sequence] = []
   done = 0

@@ -37,7 +37,7 @@ MATE = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf):
-  engine = LLMEngine(smollm2_gguf, config=EngineConfig(**SMOLLM2))
+  engine = LLMEngine(smollm2_gguf, config=EngineConfig.of(**SMOLLM2))
   with live_server(engine, MODEL, api_key=KEY, shutdown_timeout=3.0) as srv:
     yield srv
 

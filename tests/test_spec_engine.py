@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+
 from jinfer.sampling.accept import VerifyTensors
 from jinfer.engine.engine_config import EngineConfig
+from jinfer.errors import ParameterError
 from jinfer.engine.request import RequestMetrics, Sequence
 from jinfer.sampling.params import SamplingParams
 from jinfer.engine.speculative import pause
@@ -235,9 +237,11 @@ def test_ngram_lookup():
      "min_accepted_per_step must be a number >= 0"),
     ("{not json", "not valid JSON"), ("[1, 2]", "must be a dict"),
 ])
-def test_a_bad_speculative_config_is_refused_when_made(config, says):
-  with pytest.raises(ValueError, match=says):
-    EngineConfig(speculative_config=config)
+def test_a_bad_speculative_config_is_refused_before_the_engine_loads(tiny_model, config, says):
+  """Refused when made, or by `resolve()` where it takes a file lookup."""
+  with pytest.raises(ParameterError, match=says) as e:
+    EngineConfig.of(speculative_config=config).resolve(tiny_model[0])
+  assert e.value.param == "speculative_config"
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny_model, tmp_path):

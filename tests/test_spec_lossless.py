@@ -55,7 +55,7 @@ def sample(models, params: SamplingParams, speculate: bool, first_seed: int = 0)
   from the prefill, the next k+1 from one verify step when every draft is accepted."""
   (config, weights), draft = models
   spec = {"method": "draft_model", "num_speculative_tokens": K, "model": draft}
-  eng = LLMEngine.from_parts(config, weights, None, warmup=False, config=EngineConfig(
+  eng = LLMEngine.from_parts(config, weights, None, warmup=False, config=EngineConfig.of(
       max_model_len=16, page_size=4, num_pages=4 * N + 1, max_num_seqs=N,
       max_num_batched_tokens=8192, max_prefill_seqs=N, enable_prefix_caching=False,
       speculative_config=spec if speculate else None))
@@ -130,7 +130,7 @@ def medusa_sample(models, heads: str, params: SamplingParams, first_seed: int = 
                   **spec) -> np.ndarray:
   """As `sample`, verifying Medusa trees (seeds first_seed..first_seed+N-1)."""
   (config, weights), _ = models
-  eng = LLMEngine.from_parts(config, weights, None, warmup=False, config=EngineConfig(
+  eng = LLMEngine.from_parts(config, weights, None, warmup=False, config=EngineConfig.of(
       max_model_len=16, page_size=4, num_pages=4 * N + 1, max_num_seqs=N,
       max_num_batched_tokens=8192, max_prefill_seqs=N, enable_prefix_caching=False,
       speculative_config={"method": "medusa", "num_speculative_tokens": 3, "model": heads,
@@ -174,7 +174,7 @@ BATCH = dict(max_model_len=64, page_size=4, num_pages=24, max_num_seqs=8,
 
 def batch_engine(models, spec: dict | None) -> LLMEngine:
   (config, weights), _ = models
-  return LLMEngine.from_parts(config, weights, None, warmup=False, config=EngineConfig(
+  return LLMEngine.from_parts(config, weights, None, warmup=False, config=EngineConfig.of(
       **BATCH, speculative_config=spec))
 
 

@@ -133,7 +133,7 @@ def run_offline(engine: LLMEngine, workload: RandomWorkload, *,
     s = engine.stats()
     peak_pages = max(peak_pages, round(s.kv_pages_used * usable_pages))
     # Saturated: requests wait, or the batch holds max_num_seqs, so it is as full as allowed.
-    if s.num_waiting or s.num_running >= engine.config.max_num_seqs:
+    if s.num_waiting or s.num_running >= engine.config.scheduler.max_num_seqs:
       kv_util.append(s.kv_utilization)
       pages_used.append(s.kv_pages_used)
   wall = time.monotonic() - t0
@@ -145,16 +145,16 @@ def run_offline(engine: LLMEngine, workload: RandomWorkload, *,
   out_tok = sum(len(o.outputs[0].token_ids) for o in completed)
   ttft = [o.metrics.ttft for o in completed if o.metrics.ttft is not None]
   tpot = [o.metrics.tpot for o in completed if o.metrics.tpot is not None]
-  cfg = engine.config
+  options = engine.config.config.options()
   return {
       "machine": machine_info(),
       "config": {
           "workload": dataclasses.asdict(workload),
-          "engine": {k: getattr(cfg, k) for k in (
+          "engine": {k: options[k] for k in (
               "max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens",
               "max_prefill_seqs", "enable_prefix_caching", "continuous_batching")},
-          "speculative_config": (cfg.speculative_config.to_dict()
-                                 if cfg.speculative_config is not None else None),
+          "speculative_config": (options["speculative_config"].to_dict()
+                                 if options["speculative_config"] is not None else None),
           "num_pages": engine.blocks.num_pages,
           "kernels": dataclasses.asdict(engine.runner.model.kernels),
           "dtype": np.dtype(engine.runner.spec.dtype).name,
@@ -250,7 +250,7 @@ def single_stream(engine: LLMEngine, prompt_len: int, output_len: int, bandwidth
   decode_tok_s = (len(times) - 1) / (times[-1] - times[0])
   stats = engine.stats()
   # The pool's bytes per token slot: every layer's K and V for one position.
-  kv_bytes_per_token = stats.kv_cache_bytes / (engine.blocks.num_pages * engine.config.page_size)
+  kv_bytes_per_token = stats.kv_cache_bytes / (engine.blocks.num_pages * engine.config.cache.page_size)
   mean_ctx = prompt_len + output_len / 2  # the context each decode step reads, on average
   bytes_per_token = stats.weight_bytes + mean_ctx * kv_bytes_per_token
   roofline = bandwidth_gb_s * 1e9 / bytes_per_token
@@ -342,7 +342,7 @@ def main():
   workload = RandomWorkload(num_prompts=args.num_prompts, input_len_min=args.input_len_min,
                             input_len_max=args.input_len_max, output_len=args.output_len,
                             output_len_min=args.output_len_min, seed=args.seed)
-  config = EngineConfig(max_model_len=max(workload.max_len,
+  config = EngineConfig.of(max_model_len=max(workload.max_len,
                                           args.single_stream_prompt_len + args.output_len),
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens)
@@ -362,7 +362,7 @@ def main():
   del engine
   gc.collect()  # one engine's KV cache at a time
   engine, report["jinfer_static"] = _jinfer_run(
-      args.model, dataclasses.replace(config, continuous_batching=False), workload, prompts)
+      args.model, config.replace(continuous_batching=False), workload, prompts)
   del engine
   gc.collect()
   if not args.skip_hf:

@@ -78,7 +78,7 @@ def main(argv=None):
     if opts["tensor_parallel_size"] * opts["context_parallel_size"] > jax.device_count():
       report["layouts"][layout] = {"skipped": f"needs more than {jax.device_count()} devices"}
       continue
-    config = EngineConfig(max_model_len=args.prompt_len + args.decode_steps + 8,
+    config = EngineConfig.of(max_model_len=args.prompt_len + args.decode_steps + 8,
                           max_num_seqs=args.batch, max_num_batched_tokens=512,
                           compilation_cache=False, **opts)
     try:

@@ -213,7 +213,7 @@ def main():
   batches = [int(b) for b in args.batches.split(",")]
   model_config, params, _ = load_model(args.model, jnp.float32, load_tokenizer=False)
   extra = max(_prefill_steps(b, args.context) for b in batches)
-  config = EngineConfig(max_model_len=args.context + args.steps + extra + 8,
+  config = EngineConfig.of(max_model_len=args.context + args.steps + extra + 8,
                         max_num_seqs=max(batches),
                         quantization=args.quantization,
                         scan_layers=None if args.scan_layers is None else args.scan_layers == "true")

@@ -83,7 +83,7 @@ def main():
   engines, report = {}, {"machine": machine_info(), "jinfer": os.path.dirname(jinfer.__file__),
                          "model": args.model, "modes": {}}
   for mode in args.modes.split(","):
-    config = EngineConfig(max_model_len=max_len, max_num_seqs=max(args.batch, 1),
+    config = EngineConfig.of(max_model_len=max_len, max_num_seqs=max(args.batch, 1),
                           quantization=None if mode == "f32" else mode, scan_layers=scan)
     t0 = time.monotonic()
     engines[mode] = LLMEngine.from_parts(model_config, params, None, config=config, warmup=False)

@@ -124,21 +124,21 @@ def main():
     if spec is not None and args.min_accepted_per_step is not None:
       spec["min_accepted_per_step"] = args.min_accepted_per_step
   # 40 pages a sequence, and at least one whole max_model_len sequence (64 pages)
-  base = EngineConfig(max_model_len=1024, max_num_seqs=max(args.batches),
+  base = EngineConfig.of(max_model_len=1024, max_num_seqs=max(args.batches),
                       max_num_batched_tokens=512, num_pages=1 + max(max(args.batches) * 40, 64),
                       quantization=args.quantization)
   engines = {}
   for m in args.methods:
     t0 = time.monotonic()
     engines[m] = LLMEngine.from_parts(config, params, tokenizer,
-                                      config=dataclasses.replace(base, speculative_config=specs[m]))
+                                      config=base.replace(speculative_config=specs[m]))
     print(f"{m}: warm in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
 
   report = {"machine": machine_info(), "model": args.model,
             "engine": {k: getattr(base, k) for k in ("max_model_len", "max_num_seqs",
                                                      "max_num_batched_tokens", "num_pages",
                                                      "quantization")},
-            "speculative_configs": {m: engines[m].config.speculative_config.to_dict()
+            "speculative_configs": {m: engines[m].config.speculative.to_dict()
                                     if specs[m] else None for m in args.methods},
             "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": []}
   results: dict[tuple, list[dict]] = {}
@@ -171,7 +171,7 @@ def main():
       s.update({k: float(np.median([r["spec"][k] for r in rs])) for k in keys})
       s["acceptance_per_position"] = np.median(
           [r["spec"]["acceptance_per_position"] for r in rs], axis=0).tolist()
-    tree = engines[m].config.speculative_config.tree() if specs[m] else None
+    tree = engines[m].config.speculative.tree() if specs[m] else None
     hits = heads_meta(args.medusa).get("rank_hits") if tree else None
     if hits:  # a tree's E from the heads' held-back hit rates, beside the one measured
       s["expected_tokens_per_step_tree"] = expected_length(tree.choices, hits)

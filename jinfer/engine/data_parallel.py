@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import itertools
 import time
 
@@ -34,8 +33,8 @@ class DataParallelEngine:
 
   def __init__(self, model: str, *, dtype=None, config: EngineConfig, warmup: bool = True,
                skip_tokenizer_init: bool = False):
-    data_parallel_devices(config.parallel_config())  # enough devices? fail before loading
-    if config.compilation_cache:
+    data_parallel_devices(config.parallel)  # enough devices? fail before loading
+    if config.kernels.compilation_cache:
       compilation_cache.enable()
     t0 = time.monotonic()
     model_config, params, tokenizer = load_model(model, dtype or default_dtype(),
@@ -52,16 +51,16 @@ class DataParallelEngine:
     return self
 
   def _build(self, model_config, params, tokenizer, config: EngineConfig, dtype, warmup: bool):
-    rank_config = dataclasses.replace(config, data_parallel_size=1)
+    rank_config = config.replace(data_parallel_size=1)
     self.engines = [LLMEngine.from_parts(model_config, params, tokenizer, config=rank_config,
                                          dtype=dtype, warmup=False, devices=devices)
-                    for devices in data_parallel_devices(config.parallel_config())]
+                    for devices in data_parallel_devices(config.parallel)]
     e0 = self.engines[0]
     self.model_config, self.tokenizer, self.config = e0.model_config, tokenizer, e0.config
-    self.max_model_len, self.page_size = e0.max_model_len, e0.config.page_size
+    self.max_model_len, self.page_size = e0.max_model_len, e0.config.cache.page_size
     # A rank may carry this many more sequences than the least-loaded one and still get a
     # request for a prefix it has seen.
-    self.balance_slack = max(1, config.max_num_seqs // 4)
+    self.balance_slack = max(1, config.scheduler.max_num_seqs // 4)
     self._pool = concurrent.futures.ThreadPoolExecutor(len(self.engines),
                                                        thread_name_prefix="jinfer-dp")
     self._routes: collections.OrderedDict[int, int] = collections.OrderedDict()  # hash -> rank
@@ -69,7 +68,8 @@ class DataParallelEngine:
     self._ids = itertools.count()
     t0 = time.monotonic()
     if warmup:  # the ranks compile side by side
-      list(self._pool.map(lambda e: e.runner.warmup(config.enable_prompt_logprobs), self.engines))
+      list(self._pool.map(lambda e: e.runner.warmup(config.model.enable_prompt_logprobs),
+                          self.engines))
     self.warmup_seconds = time.monotonic() - t0
 
   # -- requests -----------------------------------------------------------------------------
@@ -159,7 +159,7 @@ class DataParallelEngine:
 
 def create_engine(model: str, *, config: EngineConfig, dtype=None, warmup: bool = True,
                   skip_tokenizer_init: bool = False) -> LLMEngine | DataParallelEngine:
-  """One engine, or the data-parallel front end when `config.data_parallel_size > 1`."""
-  cls = DataParallelEngine if config.data_parallel_size > 1 else LLMEngine
+  """One engine, or the data-parallel front end when `data_parallel_size > 1`."""
+  cls = DataParallelEngine if config.parallel.data_parallel_size > 1 else LLMEngine
   return cls(model, dtype=dtype, config=config, warmup=warmup,
              skip_tokenizer_init=skip_tokenizer_init)

@@ -75,9 +75,9 @@ class LLMEngine:
   def __init__(self, model: str = DEFAULT_MODEL, *, dtype=None,
                config: EngineConfig | None = None, warmup: bool = True,
                skip_tokenizer_init: bool = False):
-    dtype = dtype or default_dtype()
     config = config or EngineConfig()
-    if config.compilation_cache:  # before loading: the loaders' conversions compile too
+    dtype = dtype or default_dtype()
+    if config.kernels.compilation_cache:  # before loading: the loaders' conversions compile too
       compilation_cache.enable()
     log.info("loading %s ...", model)
     t0 = time.monotonic()
@@ -102,22 +102,23 @@ class LLMEngine:
   def _build(self, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None,
              config: EngineConfig, dtype, warmup: bool, devices: list | None = None):
     self.model_config, self.tokenizer = model_config, tokenizer
-    self.config = config = config.for_model(model_config)
-    if config.compilation_cache:
+    self.config = config = config.resolve(model_config, dtype)
+    if config.kernels.compilation_cache:
       compilation_cache.enable()
-    self.max_model_len = config.max_model_len
+    self.max_model_len = config.model.max_model_len
     self.eos_ids = tuple(model_config.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer
                                                          else ())
-    par = config.parallel_config()
-    self.blocks = BlockManager(config.resolved_num_pages(), config.page_size,
-                               config.enable_prefix_caching, num_ranks=par.context_parallel_size)
+    par = config.parallel
+    self.blocks = BlockManager(config.num_pages, config.cache.page_size,
+                               config.cache.enable_prefix_caching,
+                               num_ranks=par.context_parallel_size)
     self.buckets = config.buckets()
-    spec = config.speculative_config
+    spec = config.speculative
     self.proposer: Proposer | None = None
     self.spec_stats = None
     if spec is not None and jax.process_count() > 1:
       raise ValueError("speculative decoding does not run on several processes yet")
-    self.scheduler = Scheduler(config.scheduler_config(), self.blocks,
+    self.scheduler = Scheduler(config.scheduler, self.blocks, config.max_pages_per_seq,
                                lookahead=self._lookahead if spec is not None else None)
     if jax.process_count() > 1 and (par.data_parallel_size > 1 or
                                     par.devices_per_engine != jax.device_count()):
@@ -133,7 +134,7 @@ class LLMEngine:
       mesh = make_mesh(par, devices)
     # One device gets no mesh in the kernels: attention skips the per-shard wrapper.
     kernels = config.kernel_options(mesh if par.is_parallel else None)
-    if config.quantization:
+    if config.model.quantization:
       run_params = quantize_params(run_params,
                                    linear_kernels(run_config, kernels.int8_transposed))
     if spec is not None:
@@ -144,14 +145,14 @@ class LLMEngine:
       # Positions are depths: a tree's are fewer than its nodes.
       self.spec_stats = SpecStats(self.proposer.max_depth)
     del params  # the proposer took what it shares; the runner keeps the params it runs
-    self.runner = ModelRunner(run_config, run_params, config.kv_spec(run_config, dtype),
+    self.runner = ModelRunner(run_config, run_params, config.kv_spec(run_config),
                               self.buckets, kernels=kernels, dtype=dtype,
                               unrolled_max_tokens=config.unrolled_max_tokens(), mesh=mesh,
-                              expert_parallel=config.enable_expert_parallel,
+                              expert_parallel=par.enable_expert_parallel,
                               in_step=self.proposer and self.proposer.in_step,
                               in_step_weights=self.proposer and self.proposer.in_step_weights)
     self.groups: dict[str, _Group] = {}
-    self._seed_rng = np.random.default_rng(config.seed)
+    self._seed_rng = np.random.default_rng(config.model.seed)
     self._ids = itertools.count()
     self.num_steps = self.prompt_tokens = self.generation_tokens = 0
     self.expert_tokens = (np.zeros((len(model_config.moe_layer_ids), model_config.num_experts),
@@ -161,9 +162,9 @@ class LLMEngine:
   def _warmup(self) -> float:
     t0 = time.monotonic()
     if self.proposer is None:
-      self.runner.warmup(self.config.enable_prompt_logprobs)
+      self.runner.warmup(self.config.model.enable_prompt_logprobs)
     else:
-      self.runner.warmup(self.config.enable_prompt_logprobs, self.proposer.empty_drafts)
+      self.runner.warmup(self.config.model.enable_prompt_logprobs, self.proposer.empty_drafts)
       self.proposer.warmup(self.buckets.token_buckets)
     return time.monotonic() - t0
 
@@ -201,7 +202,7 @@ class LLMEngine:
     if params.stop and self.tokenizer is None:
       raise ParameterError("stop", "stop strings need a tokenizer; this engine has none "
                                    "(skip_tokenizer_init)")
-    if params.prompt_logprobs is not None and not self.config.enable_prompt_logprobs:
+    if params.prompt_logprobs is not None and not self.config.model.enable_prompt_logprobs:
       raise ParameterError("prompt_logprobs",
                            "prompt_logprobs needs the engine option enable_prompt_logprobs=True")
 
@@ -303,7 +304,7 @@ class LLMEngine:
         self.spec_stats.record(self.proposer.depth(m), a)
         self.proposer.on_verified(seq, m, a,
                                   None if res.proposals is None else res.proposals[i])
-        spec = self.config.speculative_config
+        spec = self.config.speculative
         if m and spec.min_accepted_per_step is not None:
           after_verify(seq, spec.num_speculative_tokens, a, spec.min_accepted_per_step)
       kept = 0
@@ -342,7 +343,7 @@ class LLMEngine:
     """Draft rows `seq` may verify this step: k (or a tree's nodes), fewer near its token limits
     (a step yields up to depth + 1 tokens, and each row takes a slot), none while the running
     batch is too large for speculation to pay or while the sequence's drafts keep failing."""
-    spec = self.config.speculative_config
+    spec = self.config.speculative
     if (spec.disable_by_batch_size is not None
         and len(self.scheduler.running) > spec.disable_by_batch_size) or paused(seq):
       return 0
@@ -380,7 +381,7 @@ class LLMEngine:
     as a failed device step fails only the requests it ran; None when no sequence is left."""
     while batch.seqs:
       try:
-        return build_step_input(batch, self.buckets, self.config.page_size, self.eos_ids)
+        return build_step_input(batch, self.buckets, self.config.cache.page_size, self.eos_ids)
       except RowError as e:
         log.error("dropped a sequence from the step", exc_info=e)
         seq = batch.seqs.pop(e.index)
@@ -510,7 +511,7 @@ class LLMEngine:
   # -- numbers ------------------------------------------------------------------------------
   def stats(self) -> EngineStats:
     running = self.scheduler.running
-    held = sum(len(s.pages) for s in running) * self.config.page_size
+    held = sum(len(s.pages) for s in running) * self.config.cache.page_size
     used = sum(s.num_computed_tokens for s in running)
     b = self.blocks
     return EngineStats(

@@ -1,120 +1,204 @@
-"""Engine options, and every spec derived from them (scheduler, token buckets, KV cache, kernels)
-in one place."""
+"""Engine configuration: one section per concern, the flat names users pass, and `resolve()`.
+
+The sections (`ModelOptions`, `CacheConfig`, `SchedulerConfig`, `ParallelConfig`,
+`KernelConfig`, `SpeculativeConfig`) are the single source of truth: each field is declared,
+defaulted and described once, in its section, and checked there without reading a file or asking
+the platform. `EngineConfig.of(**options)` takes vLLM's flat names (`max_model_len=`,
+`tensor_parallel_size=`, ...), as `LLM(**kwargs)` and the CLI flags (generated from the same
+fields) do. `EngineConfig.resolve(model)` is the one step that reads files (speculation's
+checkpoints) and asks which platform jax runs on; the engine runs what it returns.
+"""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jinfer.config import ModelConfig
-from jinfer.errors import ParameterError
 from jinfer.engine.scheduler import SchedulerConfig
-from jinfer.engine.step_input import Buckets
-from jinfer.models.kernel_options import KernelOptions
-from jinfer.parallel.mesh import ParallelConfig
 from jinfer.engine.speculative.config import SpeculativeConfig
-from pallas_kernels import KVCacheSpec, default_backend
-from pallas_kernels.grouped_matmul import default_backend as default_grouped_matmul_backend
+from jinfer.engine.step_input import Buckets
+from jinfer.errors import ParameterError
+from jinfer.models.kernel_options import QUANTIZATIONS, KernelOptions
+from jinfer.parallel.mesh import ParallelConfig
+from pallas_kernels import KVCacheSpec
+
+PLATFORM_DEFAULTS = {  # backend -> (attention, int8 matmul, grouped matmul)
+    "tpu": ("pallas_tpu", "pallas_tpu", "pallas_tpu"),
+    "gpu": ("pallas_gpu", "pallas_gpu", "ragged_dot"),
+}
+CPU_DEFAULTS = ("xla", "xla", "xla")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineConfig:
+class ModelOptions:
   max_model_len: int = 2048  # prompt + output tokens per sequence (capped by the model's)
+  # None, "int8" (int8 weights, float activations: W8A16) or "w8a8"; applied at load time.
+  quantization: str | None = None
+  seed: int = 0  # seeds requests that bring none
+  # Requests may ask for prompt_logprobs: compiles a second step variant per bucket that
+  # projects every row to logits, used only by steps that carry such a request.
+  enable_prompt_logprobs: bool = False
+
+  def __post_init__(self):
+    if self.max_model_len < 1:
+      raise ParameterError("max_model_len", f"max_model_len must be >= 1, got "
+                                            f"{self.max_model_len}")
+    if self.quantization not in QUANTIZATIONS:
+      raise ParameterError("quantization", f"unknown quantization {self.quantization!r}; choose "
+                           f"one of {', '.join(str(q) for q in QUANTIZATIONS)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheConfig:
   page_size: int = 16  # tokens per KV-cache page
   num_pages: int | None = None  # default: room for max_num_seqs sequences of half max_model_len
-  max_num_seqs: int = 64  # sequences running at once
-  max_num_batched_tokens: int = 512  # token budget of one step; long prefills are chunked
-  max_prefill_seqs: int = 8  # sequences with a prefill chunk in one step
   enable_prefix_caching: bool = True  # reuse the KV pages of prompts' shared full pages
-  # False: static batches (a baseline for benchmarks) that wait for their longest member, each
-  # sequence reserving max_model_len slots as an engine without paging must.
-  continuous_batching: bool = True
+
+  def __post_init__(self):
+    if self.page_size < 1:
+      raise ParameterError("page_size", f"page_size must be >= 1, got {self.page_size}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig:
   attention_backend: str | None = None  # None: by platform (xla on CPU, Pallas elsewhere)
   matmul_backend: str | None = None  # int8 matmul, likewise
   grouped_matmul_backend: str | None = None  # MoE experts' grouped matmul, likewise
   interpret: bool = False  # run Pallas kernels in interpret mode (CPU testing)
-  quantization: str | None = None  # None, "int8" (W8A16) or "w8a8"; applied at load time
   # Run the layer stack under a scan (compiles in seconds) or unrolled (each matmul reads its
-  # weights in place). None: by step size, see `unrolled_max_tokens`.
+  # weights in place). None: by step size, see `max_unrolled_tokens`.
   scan_layers: bool | None = None
   # With scan_layers=None on the CPU: steps of at most this many tokens run unrolled, larger
   # ones scanned, each unrolled bucket costing a compile of every layer (~10x a scanned one).
   # None: a single stream's steps, its verify step included when it speculates.
   max_unrolled_tokens: int | None = None
-  # Requests may ask for prompt_logprobs: compiles a second step variant per bucket that
-  # projects every row to logits, used only by steps that carry such a request.
-  enable_prompt_logprobs: bool = False
   # Keep compiled steps on disk (JAX's persistent compilation cache, see compilation_cache.py),
   # so the next process with the same model and options compiles nothing.
   compilation_cache: bool = True
-  seed: int = 0  # seeds requests that bring none
-  tensor_parallel_size: int = 1  # split heads, MLP and vocabulary over this many devices
-  # Spread each sequence's KV pages and each step's query rows over this many devices (ring
-  # attention; a power of two).
-  context_parallel_size: int = 1
-  data_parallel_size: int = 1  # engines, each with its own page pool, behind one front end
-  # MoE: whole experts per tensor-parallel device instead of each expert split over them.
-  enable_expert_parallel: bool = False
-  context_layout: str = "zigzag"  # how a step's rows lie over the context ranks, or "plain"
-  # Speculative decoding (`SpeculativeConfig`, or its dict or JSON form); None: off.
-  speculative_config: SpeculativeConfig | dict | str | None = None
+
+
+SECTIONS = {"model": ModelOptions, "cache": CacheConfig, "scheduler": SchedulerConfig,
+            "parallel": ParallelConfig, "kernels": KernelConfig}
+SPECULATIVE = "speculative_config"  # the flat name of the `speculative` section
+
+
+def option_fields() -> list[tuple[str, dataclasses.Field]]:
+  """(section, field) for every flat option, in declaration order."""
+  return [(name, f) for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+_SECTION_OF = {f.name: section for section, f in option_fields()}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+  model: ModelOptions = dataclasses.field(default_factory=ModelOptions)
+  cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+  scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+  parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+  kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
+  speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
   def __post_init__(self):
-    if self.speculative_config is not None:
-      object.__setattr__(self, "speculative_config",
-                         SpeculativeConfig.parse(self.speculative_config))
-    for name in ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens",
-                 "max_prefill_seqs"):
-      if getattr(self, name) < 1:
-        raise ParameterError(name, f"{name} must be >= 1, got {getattr(self, name)}")
-    if self.max_num_batched_tokens & (self.max_num_batched_tokens - 1):
-      raise ParameterError("max_num_batched_tokens", "max_num_batched_tokens must be a power of "
-                                                     "two (it is the largest bucket)")
-    cp = self.parallel_config().context_parallel_size
-    spec = self.speculative_config
-    if cp > 1 and spec is not None and spec.tree() is not None:
-      raise ParameterError("speculative_config", f"{spec.method} verifies a tree, which does not "
-                           f"run with context parallelism yet: the ring attention takes no tree "
-                           f"mask (use context_parallel_size=1)")
-    if cp & (cp - 1):
-      raise ParameterError("context_parallel_size",
-                           f"context_parallel_size must be a power of two, got {cp}")
-    if self.max_num_batched_tokens < 2 * cp:
+    """What no single section can check: how they fit together."""
+    cp = self.parallel.context_parallel_size
+    if cp > 1 and self.speculative is not None and self.speculative.verifies_tree:
+      raise ParameterError(SPECULATIVE, f"{self.speculative.method} verifies a tree, which does "
+                           f"not run with context parallelism yet: the ring attention takes no "
+                           f"tree mask (use context_parallel_size=1)")
+    if self.scheduler.max_num_batched_tokens < 2 * cp:
       raise ParameterError("max_num_batched_tokens",
-                           f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
-                           f"least 2 x context_parallel_size ({cp}): each rank holds two chunks")
+                           f"max_num_batched_tokens ({self.scheduler.max_num_batched_tokens}) "
+                           f"must be at least 2 x context_parallel_size ({cp}): each rank holds "
+                           f"two chunks")
 
-  def parallel_config(self) -> ParallelConfig:
-    return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                          context_parallel_size=self.context_parallel_size,
-                          data_parallel_size=self.data_parallel_size,
-                          enable_expert_parallel=self.enable_expert_parallel,
-                          context_layout=self.context_layout)
+  @classmethod
+  def of(cls, **options: Any) -> "EngineConfig":
+    """From flat option names (vLLM's): `EngineConfig.of(max_model_len=1024, page_size=32,
+    speculative_config={"method": "ngram", "num_speculative_tokens": 4})`."""
+    return cls().replace(**options)
 
-  def for_model(self, model: ModelConfig) -> "EngineConfig":
-    """This config with `max_model_len` capped by what the model supports."""
-    return dataclasses.replace(self, max_model_len=min(self.max_model_len,
-                                                       model.max_position_embeddings))
+  def replace(self, **options: Any) -> "EngineConfig":
+    """This config with the named flat options changed."""
+    sections: dict[str, dict] = {}
+    spec = self.speculative
+    for name, value in options.items():
+      if name == SPECULATIVE:
+        spec = None if value is None else SpeculativeConfig.parse(value)
+      elif name in _SECTION_OF:
+        sections.setdefault(_SECTION_OF[name], {})[name] = value
+      else:
+        raise ParameterError(name, f"unknown engine option {name!r}; known options: "
+                             f"{', '.join(sorted([*_SECTION_OF, SPECULATIVE]))}")
+    changed = {s: dataclasses.replace(getattr(self, s), **kw) for s, kw in sections.items()}
+    return dataclasses.replace(self, **changed, speculative=spec)
+
+  def options(self) -> dict[str, Any]:
+    """Every flat option and its value."""
+    out = {f.name: getattr(getattr(self, s), f.name) for s, f in option_fields()}
+    out[SPECULATIVE] = self.speculative
+    return out
+
+  def resolve(self, model: ModelConfig, dtype=None, platform: str | None = None
+              ) -> "ResolvedConfig":
+    """This config for `model` on `platform` (default: where jax runs): every default the
+    platform decides filled in, every file named checked, `max_model_len` capped by the model's.
+    """
+    platform = platform or jax.default_backend()
+    max_len = min(self.model.max_model_len, model.max_position_embeddings)
+    config = dataclasses.replace(
+        self, model=dataclasses.replace(self.model, max_model_len=max_len),
+        speculative=self.speculative and self.speculative.resolve(platform))
+    defaults = PLATFORM_DEFAULTS.get(platform, CPU_DEFAULTS)
+    k = config.kernels
+    pages_per_seq = -(-max_len // config.cache.page_size)
+    return ResolvedConfig(
+        config=config, platform=platform, dtype=dtype or default_dtype(platform),
+        max_pages_per_seq=pages_per_seq, num_pages=_num_pages(config, pages_per_seq),
+        attention_backend=k.attention_backend or defaults[0],
+        matmul_backend=k.matmul_backend or defaults[1],
+        grouped_matmul_backend=k.grouped_matmul_backend or defaults[2])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResolvedConfig:
+  """An `EngineConfig` for one model on one platform: what an engine runs."""
+  config: EngineConfig
+  platform: str
+  dtype: Any
+  max_pages_per_seq: int
+  num_pages: int  # of one engine's pool (over all its context ranks: a multiple of their number)
+  attention_backend: str
+  matmul_backend: str
+  grouped_matmul_backend: str
+
+  # The sections, as resolved.
+  model = property(lambda self: self.config.model)
+  cache = property(lambda self: self.config.cache)
+  scheduler = property(lambda self: self.config.scheduler)
+  parallel = property(lambda self: self.config.parallel)
+  kernels = property(lambda self: self.config.kernels)
+  speculative = property(lambda self: self.config.speculative)
 
   @property
-  def max_pages_per_seq(self) -> int:
-    return -(-self.max_model_len // self.page_size)
+  def num_draft_rows(self) -> int:
+    spec = self.speculative
+    return 0 if spec is None else spec.num_draft_rows
 
-  def resolved_num_pages(self) -> int:
-    """Pages of one engine's pool (over all its context ranks: a multiple of their number)."""
-    if self.num_pages is not None:
-      if self.num_pages - 1 < self.max_pages_per_seq:
-        raise ParameterError("num_pages", f"num_pages={self.num_pages} cannot hold one sequence "
-                                          f"of max_model_len={self.max_model_len} "
-                                          f"({self.max_pages_per_seq} pages + the sink page)")
-      n = self.num_pages
-    else:
-      half = -(-self.max_model_len // 2 // self.page_size)
-      n = 1 + max(self.max_pages_per_seq, self.max_num_seqs * half)
-    cp = self.context_parallel_size
-    return -(-n // cp) * cp
+  def buckets(self) -> Buckets:
+    s, cp = self.scheduler, self.parallel.context_parallel_size
+    return Buckets(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                   max_prefill_seqs=s.max_prefill_seqs, max_pages_per_seq=self.max_pages_per_seq,
+                   max_model_len=self.model.max_model_len,
+                   # Single-stream decode runs a 1-token bucket; context parallelism needs
+                   # every bucket a multiple of 2 x CP (each rank holds two chunks).
+                   smallest_bucket=1 if cp == 1 else 2 * cp,
+                   num_speculative_tokens=self.num_draft_rows,
+                   tree=None if self.speculative is None else self.speculative.tree())
 
   def unrolled_max_tokens(self) -> int:
     """Steps of at most this many tokens run the unrolled stack, larger ones the scanned one.
@@ -122,62 +206,48 @@ class EngineConfig:
     By default, on the CPU, small decode steps run unrolled: a scanned layer copies its weights
     out of the stack before each matmul there (a dynamic slice feeds no dot in place), which
     dominates a step that reads every weight for a few rows; each unrolled bucket compiles ~10x
-    slower, so only the smallest is by default. Prefill and large batches measure the same or better
-    scanned. Elsewhere the scan reads its weights in place and runs everything.
+    slower, so only the smallest is by default. Prefill and large batches measure the same or
+    better scanned. Elsewhere the scan reads its weights in place and runs everything.
     """
-    if self.scan_layers is not None:
-      return 0 if self.scan_layers else self.max_num_batched_tokens
-    if jax.default_backend() != "cpu":
+    k = self.kernels
+    if k.scan_layers is not None:
+      return 0 if k.scan_layers else self.scheduler.max_num_batched_tokens
+    if self.platform != "cpu":
       return 0
-    if self.max_unrolled_tokens is not None:
-      return self.max_unrolled_tokens
+    if k.max_unrolled_tokens is not None:
+      return k.max_unrolled_tokens
     return self.buckets().pick(1 + self.num_draft_rows)
 
-  def scheduler_config(self) -> SchedulerConfig:
-    return SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                           max_num_batched_tokens=self.max_num_batched_tokens,
-                           max_prefill_seqs=self.max_prefill_seqs,
-                           max_pages_per_seq=self.max_pages_per_seq,
-                           continuous_batching=self.continuous_batching)
-
-  def buckets(self) -> Buckets:
-    cp = self.context_parallel_size
-    return Buckets(max_num_seqs=self.max_num_seqs,
-                   max_num_batched_tokens=self.max_num_batched_tokens,
-                   max_prefill_seqs=self.max_prefill_seqs,
-                   max_pages_per_seq=self.max_pages_per_seq, max_model_len=self.max_model_len,
-                   # Single-stream decode runs a 1-token bucket; context parallelism needs
-                   # every bucket a multiple of 2 x CP (each rank holds two chunks).
-                   smallest_bucket=1 if cp == 1 else 2 * cp,
-                   num_speculative_tokens=self.num_draft_rows,
-                   tree=None if self.speculative_config is None else self.speculative_config.tree())
-
-  @property
-  def num_draft_rows(self) -> int:
-    spec = self.speculative_config
-    return 0 if spec is None else spec.num_draft_rows
-
-  def kv_spec(self, model: ModelConfig, dtype) -> KVCacheSpec:
-    return KVCacheSpec(num_layers=model.num_layers, num_pages=self.resolved_num_pages(),
-                       page_size=self.page_size, num_kv_heads=model.num_kv_heads,
-                       head_dim=model.head_dim, dtype=dtype)
+  def kv_spec(self, model: ModelConfig) -> KVCacheSpec:
+    return KVCacheSpec(num_layers=model.num_layers, num_pages=self.num_pages,
+                       page_size=self.cache.page_size, num_kv_heads=model.num_kv_heads,
+                       head_dim=model.head_dim, dtype=self.dtype)
 
   def kernel_options(self, mesh: Mesh | None = None) -> KernelOptions:
-    matmul = self.matmul_backend or _default_matmul_backend()
-    return KernelOptions(attention=self.attention_backend or default_backend(),
-                         matmul=matmul, int8_transposed=matmul == "xla" and mesh is None,
+    """`mesh`: the devices the model runs over, None for one device."""
+    return KernelOptions(attention=self.attention_backend, matmul=self.matmul_backend,
+                         int8_transposed=self.matmul_backend == "xla" and mesh is None,
                          dense=None if mesh is None else "reference",
-                         grouped_matmul=(self.grouped_matmul_backend
-                                         or default_grouped_matmul_backend()),
-                         interpret=self.interpret, quantization=self.quantization, mesh=mesh,
-                         context_layout=self.context_layout,
-                         expert_parallel=self.enable_expert_parallel)
+                         grouped_matmul=self.grouped_matmul_backend,
+                         interpret=self.kernels.interpret, quantization=self.model.quantization,
+                         mesh=mesh, context_layout=self.parallel.context_layout,
+                         expert_parallel=self.parallel.enable_expert_parallel)
 
 
-def _default_matmul_backend() -> str:
-  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
+def _num_pages(config: EngineConfig, pages_per_seq: int) -> int:
+  n = config.cache.num_pages
+  if n is not None:
+    if n - 1 < pages_per_seq:
+      raise ParameterError("num_pages", f"num_pages={n} cannot hold one sequence of "
+                                        f"max_model_len={config.model.max_model_len} "
+                                        f"({pages_per_seq} pages + the sink page)")
+  else:
+    half = -(-config.model.max_model_len // 2 // config.cache.page_size)
+    n = 1 + max(pages_per_seq, config.scheduler.max_num_seqs * half)
+  cp = config.parallel.context_parallel_size
+  return -(-n // cp) * cp
 
 
-def default_dtype():
+def default_dtype(platform: str | None = None):
   """float32 on the CPU (XLA:CPU's bf16 matvec is ~15x slower), bfloat16 on accelerators."""
-  return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+  return jnp.float32 if (platform or jax.default_backend()) == "cpu" else jnp.bfloat16

@@ -19,16 +19,26 @@ import time
 from typing import Callable
 
 from jinfer.engine.block_manager import BlockManager
+from jinfer.errors import ParameterError
 from jinfer.engine.request import Sequence, Status
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-  max_num_seqs: int
-  max_num_batched_tokens: int
-  max_prefill_seqs: int  # sequences with a multi-token chunk in one step
-  max_pages_per_seq: int
-  continuous_batching: bool = True  # False: static batches that wait for their longest member
+  max_num_seqs: int = 64  # sequences running at once
+  max_num_batched_tokens: int = 512  # token budget of one step; long prefills are chunked
+  max_prefill_seqs: int = 8  # sequences with a prefill chunk in one step
+  # False: static batches (a baseline for benchmarks) that wait for their longest member, each
+  # sequence reserving max_model_len slots as an engine without paging must.
+  continuous_batching: bool = True
+
+  def __post_init__(self):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_seqs"):
+      if getattr(self, name) < 1:
+        raise ParameterError(name, f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.max_num_batched_tokens & (self.max_num_batched_tokens - 1):
+      raise ParameterError("max_num_batched_tokens", "max_num_batched_tokens must be a power of "
+                                                     "two (it is the largest bucket)")
 
 
 @dataclasses.dataclass
@@ -49,9 +59,10 @@ class ScheduledBatch:
 
 class Scheduler:
 
-  def __init__(self, config: SchedulerConfig, blocks: BlockManager,
+  def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_pages_per_seq: int,
                lookahead: Callable[[Sequence], int] | None = None):
     self.config, self.blocks = config, blocks
+    self.max_pages_per_seq = max_pages_per_seq
     self.lookahead = lookahead  # draft rows a decoding sequence may verify this step
     self.waiting: collections.deque[Sequence] = collections.deque()
     self.running: list[Sequence] = []
@@ -131,7 +142,7 @@ class Scheduler:
     # A static batch takes requests at once and runs until all have finished. Without paging a
     # sequence must reserve max_model_len slots up front, so the same pool holds fewer of them.
     if not cfg.continuous_batching and not self.running:
-      size = min(cfg.max_num_seqs, self.blocks.num_usable_pages // cfg.max_pages_per_seq)
+      size = min(cfg.max_num_seqs, self.blocks.num_usable_pages // self.max_pages_per_seq)
       while self.waiting and len(self.running) < size:
         self._admit(self.waiting.popleft())
 

@@ -13,15 +13,20 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jinfer.errors import ParameterError
+
 AXES = ("context", "tensor")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-  tensor_parallel_size: int = 1
+  tensor_parallel_size: int = 1  # split heads, MLP and vocabulary over this many devices
+  # Spread each sequence's KV pages and each step's query rows over this many devices (ring
+  # attention; a power of two).
   context_parallel_size: int = 1
-  data_parallel_size: int = 1
-  enable_expert_parallel: bool = False  # MoE experts over the tensor axis instead of split each
+  data_parallel_size: int = 1  # engines, each with its own page pool, behind one front end
+  # MoE: whole experts per tensor-parallel device instead of each expert split over them.
+  enable_expert_parallel: bool = False
   # How a step's query rows are laid over the context ranks: "zigzag" (2*CP chunks, rank r holds
   # chunks r and 2*CP-1-r: equal causal work when one long prompt dominates) or "plain".
   context_layout: str = "zigzag"
@@ -29,9 +34,14 @@ class ParallelConfig:
   def __post_init__(self):
     for name in ("tensor_parallel_size", "context_parallel_size", "data_parallel_size"):
       if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        raise ParameterError(name, f"{name} must be >= 1, got {getattr(self, name)}")
+    cp = self.context_parallel_size
+    if cp & (cp - 1):
+      raise ParameterError("context_parallel_size",
+                           f"context_parallel_size must be a power of two, got {cp}")
     if self.context_layout not in ("zigzag", "plain"):
-      raise ValueError(f"context_layout must be 'zigzag' or 'plain', got {self.context_layout!r}")
+      raise ParameterError("context_layout", f"context_layout must be 'zigzag' or 'plain', got "
+                                             f"{self.context_layout!r}")
 
   @property
   def devices_per_engine(self) -> int:

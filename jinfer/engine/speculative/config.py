@@ -2,25 +2,25 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import numbers
 import os
 from typing import Any
 
-import jax
-
 from jinfer.engine.speculative.medusa_heads import (META, PUBLISHED_FILE, heads_meta,
                                                    is_medusa_checkpoint)
+from jinfer.errors import ParameterError
 from jinfer.sampling.tree import Tree, default_choices
 from jinfer.weights.builtin import is_builtin
 
 
-def default_tree_nodes() -> int:
+def default_tree_nodes(platform: str) -> int:
   """Nodes of the default tree. On the CPU a step's cost grows with its rows (SmolLM2: 1, 5 and
   8 rows take 17.5, 26 and 32 ms), so the tree is small: 4 nodes, whose 5 rows are a bucket of
   their own (1 + k), measured ahead of 7 nodes (8 rows) and of the 4-head chain. On accelerators
   a single stream's step is memory-bound and rows come cheap: 31 nodes, 32 rows."""
-  return 4 if jax.default_backend() == "cpu" else 31
+  return 4 if platform == "cpu" else 31
 
 METHODS = ("ngram", "draft_model", "medusa")
 MAX_SPECULATIVE_TOKENS = 16
@@ -59,13 +59,13 @@ class SpeculativeConfig:
   posterior_alpha: float = 0.3
 
   def __post_init__(self):
+    """Checks what needs no file and no platform; `resolve()` does the rest."""
     if self.method not in METHODS:
-      raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, "
-                       f"got {self.method!r}")
+      raise _error(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
     _int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
     if self.method == "ngram":
       if self.model is not None:
-        raise ValueError("speculative_config: model is for method 'draft_model', not 'ngram'")
+        raise _error("model is for method 'draft_model' or 'medusa', not 'ngram'")
       lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
       # As in vLLM: one bound given sets both.
       lo, hi = (lo if lo is not None else hi), (hi if hi is not None else lo)
@@ -73,47 +73,61 @@ class SpeculativeConfig:
       _int("prompt_lookup_min", lo, 1)
       _int("prompt_lookup_max", hi, 1)
       if lo > hi:
-        raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) exceeds "
-                         f"prompt_lookup_max ({hi})")
+        raise _error(f"prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
       object.__setattr__(self, "prompt_lookup_min", lo)
       object.__setattr__(self, "prompt_lookup_max", hi)
-    elif self.method == "draft_model":
-      if not isinstance(self.model, str) or not self.model:
-        raise ValueError("speculative_config: method 'draft_model' needs model, the draft's "
-                         "path or built-in name")
-      if not (is_builtin(self.model) or os.path.isdir(self.model)
-              or (os.path.isfile(self.model) and self.model.endswith(".gguf"))):
-        raise ValueError(f"speculative_config: model {self.model!r} is not a built-in name, a "
-                         f"directory (a draft checkpoint or HF model) or a .gguf file")
     else:
-      if not isinstance(self.model, str) or not is_medusa_checkpoint(self.model):
-        raise ValueError(f"speculative_config: method 'medusa' needs model, a Medusa heads "
-                         f"checkpoint (a directory with {META} or {PUBLISHED_FILE}); got "
-                         f"{self.model!r}")
+      if not isinstance(self.model, str) or not self.model:
+        raise _error(f"method {self.method!r} needs model, "
+                     + ("the draft's path or built-in name" if self.method == "draft_model"
+                        else "a Medusa heads checkpoint"))
+      for name in ("prompt_lookup_min", "prompt_lookup_max"):
+        if getattr(self, name) is not None:
+          raise _error(f"{name} is for method 'ngram'")
+    if self.method == "medusa":
       if self.acceptance_method not in ACCEPTANCE_METHODS:
-        raise ValueError(f"speculative_config: acceptance_method must be one of "
-                         f"{', '.join(ACCEPTANCE_METHODS)}, got {self.acceptance_method!r}")
+        raise _error(f"acceptance_method must be one of {', '.join(ACCEPTANCE_METHODS)}, got "
+                     f"{self.acceptance_method!r}")
       for name in ("posterior_threshold", "posterior_alpha"):
         v = getattr(self, name)
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v <= 1:
-          raise ValueError(f"speculative_config: {name} must be in (0, 1], got {v!r}")
-      tree = self._medusa_tree()
-      object.__setattr__(self, "_tree", tree)
-      object.__setattr__(self, "medusa_choices", [list(c) for c in tree.choices])
-    if self.method != "ngram":
-      for name in ("prompt_lookup_min", "prompt_lookup_max"):
-        if getattr(self, name) is not None:
-          raise ValueError(f"speculative_config: {name} is for method 'ngram'")
-    if self.method != "medusa":
-      for name in ("medusa_choices",):
-        if getattr(self, name) is not None:
-          raise ValueError(f"speculative_config: {name} is for method 'medusa'")
+          raise _error(f"{name} must be in (0, 1], got {v!r}")
+      choices = self.medusa_choices
+      if choices is not None:
+        if not isinstance(choices, (list, tuple)):
+          raise _error(f"medusa_choices must be a list of paths, got {type(choices).__name__}")
+        object.__setattr__(self, "medusa_choices", [list(c) for c in
+                                                    _tree(choices, self.num_speculative_tokens).choices])
+    elif self.medusa_choices is not None:
+      raise _error("medusa_choices is for method 'medusa'")
     if self.disable_by_batch_size is not None:
       _int("disable_by_batch_size", self.disable_by_batch_size, 1)
     v = self.min_accepted_per_step
     if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or v < 0):
-      raise ValueError(f"speculative_config: min_accepted_per_step must be a number >= 0, "
-                       f"got {v!r}")
+      raise _error(f"min_accepted_per_step must be a number >= 0, got {v!r}")
+
+  def resolve(self, platform: str) -> "SpeculativeConfig":
+    """This config checked against the files it names, with what the platform decides filled
+    in (Medusa's default tree): what the engine runs. The one place speculation reads files."""
+    if self.method == "draft_model" and not (
+        is_builtin(self.model) or os.path.isdir(self.model)
+        or (os.path.isfile(self.model) and self.model.endswith(".gguf"))):
+      raise _error(f"model {self.model!r} is not a built-in name, a directory (a draft "
+                   f"checkpoint or HF model) or a .gguf file")
+    if self.method != "medusa":
+      return self
+    if not is_medusa_checkpoint(self.model):
+      raise _error(f"method 'medusa' needs model, a Medusa heads checkpoint (a directory with "
+                   f"{META} or {PUBLISHED_FILE}); got {self.model!r}")
+    if self.medusa_choices is not None:
+      return self
+    meta = heads_meta(self.model)
+    if meta["num_heads"] < self.num_speculative_tokens:
+      raise _error(f"num_speculative_tokens is {self.num_speculative_tokens}; {self.model} has "
+                   f"{meta['num_heads']} heads")
+    choices = default_choices(self.num_speculative_tokens, meta.get("rank_hits"),
+                              default_tree_nodes(platform))
+    return dataclasses.replace(self, medusa_choices=[list(c) for c in choices])
 
   @classmethod
   def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str") -> "SpeculativeConfig":
@@ -124,18 +138,16 @@ class SpeculativeConfig:
       try:
         value = json.loads(value)
       except json.JSONDecodeError as e:
-        raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        raise _error(f"not valid JSON: {e}") from None
     if not isinstance(value, dict):
-      raise ValueError(f"speculative_config must be a dict (JSON object), got "
-                       f"{type(value).__name__}")
+      raise _error(f"must be a dict (JSON object), got {type(value).__name__}")
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(value) - fields)
     if unknown:
-      raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; known keys: "
-                       f"{', '.join(sorted(fields))}")
+      raise _error(f"unknown key {unknown[0]!r}; known keys: {', '.join(sorted(fields))}")
     for name in ("method", "num_speculative_tokens"):
       if name not in value:
-        raise ValueError(f"speculative_config needs {name!r}")
+        raise _error(f"needs {name!r}")
     return cls(**value)
 
   def to_dict(self) -> dict[str, Any]:
@@ -146,31 +158,40 @@ class SpeculativeConfig:
     return d
 
   @property
+  def verifies_tree(self) -> bool:
+    return self.method == "medusa"
+
+  @property
   def num_draft_rows(self) -> int:
     """Verify rows a sequence may add to a step: k, or the tree's nodes."""
-    return self.tree().num_nodes if self.method == "medusa" else self.num_speculative_tokens
+    return self.tree().num_nodes if self.verifies_tree else self.num_speculative_tokens
 
   def tree(self) -> Tree | None:
-    """Medusa's candidate tree; None for the other methods."""
-    return getattr(self, "_tree", None)
+    """Medusa's candidate tree (once resolved); None for the other methods."""
+    if not self.verifies_tree:
+      return None
+    if self.medusa_choices is None:
+      raise RuntimeError("the Medusa tree is chosen by resolve(): call it first")
+    return _tree(self.medusa_choices, self.num_speculative_tokens)
 
-  def _medusa_tree(self) -> Tree:
-    choices = self.medusa_choices
-    if choices is None:
-      meta = heads_meta(self.model)
-      if meta["num_heads"] < self.num_speculative_tokens:
-        raise ValueError(f"speculative_config: num_speculative_tokens is "
-                         f"{self.num_speculative_tokens}; {self.model} has {meta['num_heads']} "
-                         f"heads")
-      choices = default_choices(self.num_speculative_tokens, meta.get("rank_hits"),
-                                default_tree_nodes())
-    if not isinstance(choices, (list, tuple)):
-      raise ValueError(f"speculative_config: medusa_choices must be a list of paths, got "
-                       f"{type(choices).__name__}")
-    return Tree.of(choices, self.num_speculative_tokens)
+
+def _tree(choices, depth: int) -> Tree:
+  return _tree_of(tuple(tuple(c) for c in choices), depth)
+
+
+@functools.lru_cache(maxsize=64)
+def _tree_of(choices: tuple, depth: int) -> Tree:
+  try:
+    return Tree.of([list(c) for c in choices], depth)
+  except ValueError as e:
+    raise _error(f"medusa_choices: {e}") from None
+
+
+def _error(message: str) -> ParameterError:
+  return ParameterError("speculative_config", f"speculative_config: {message}")
 
 
 def _int(name: str, v, lo: int, hi: int | None = None) -> None:
   if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo or (hi and v > hi):
     bound = f"in [{lo}, {hi}]" if hi else f">= {lo}"
-    raise ValueError(f"speculative_config: {name} must be an integer {bound}, got {v!r}")
+    raise _error(f"{name} must be an integer {bound}, got {v!r}")

@@ -27,7 +27,7 @@ from flax import struct
 
 from jinfer.sampling.accept import VerifyTensors, row_tensors
 from jinfer.config import ModelConfig
-from jinfer.engine.engine_config import EngineConfig
+from jinfer.engine.engine_config import ResolvedConfig
 from jinfer.engine.request import Sequence
 from jinfer.engine.scheduler import ScheduledBatch
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
@@ -115,11 +115,11 @@ class DraftModelProposer(Proposer):
   """`vocab`: the draft's vocabulary (target ids); None: the whole of it."""
 
   def __init__(self, k: int, config: ModelConfig, params: dict, vocab: np.ndarray | None,
-               engine_config: EngineConfig, buckets: Buckets, dtype):
+               engine_config: ResolvedConfig, buckets: Buckets, dtype):
     super().__init__(k)
     self.config, self.buckets = config, buckets
     # Where the target runs its small steps unrolled (the CPU, unless `scan_layers` says
-    # otherwise; see `EngineConfig.unrolled_max_tokens`), the draft runs every pass unrolled:
+    # otherwise; see `ResolvedConfig.unrolled_max_tokens`), the draft runs every pass unrolled:
     # its passes are a few rows each, and with its few layers the compile stays cheap.
     unrolled = engine_config.unrolled_max_tokens() > 0
     self.model = CausalLM(config, engine_config.kernel_options(), dtype=dtype,
@@ -134,11 +134,11 @@ class DraftModelProposer(Proposer):
       head = params["lm_head"]["kernel"].T
     # [Vd, E]: the head's rows for the draft's vocabulary (all of it shares the array).
     self.head = head if len(vocab) == config.vocab_size else head[self.vocab]
-    self.spec = KVCacheSpec(num_layers=config.num_layers,
-                            num_pages=engine_config.resolved_num_pages(),
-                            page_size=engine_config.page_size, num_kv_heads=config.num_kv_heads,
-                            head_dim=config.head_dim, dtype=dtype)
-    self.page_size = engine_config.page_size
+    self.spec = KVCacheSpec(num_layers=config.num_layers, num_pages=engine_config.num_pages,
+                            page_size=engine_config.cache.page_size,
+                            num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                            dtype=dtype)
+    self.page_size = engine_config.cache.page_size
     self.kv_cache = self.spec.allocate()
     self._cache_resets = 0
     self._propose = jax.jit(functools.partial(_propose, self.model, k, config.vocab_size),

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from jinfer.config import ModelConfig
-from jinfer.engine.engine_config import EngineConfig
+from jinfer.engine.engine_config import ResolvedConfig
 from jinfer.engine.request import Sequence
 from jinfer.engine.scheduler import ScheduledBatch
 from jinfer.engine.speculative.config import SpeculativeConfig
@@ -46,7 +46,7 @@ class Target:
   run_params: dict
   kernels: KernelOptions
   tokenizer: Tokenizer | None
-  engine_config: EngineConfig
+  engine_config: ResolvedConfig
   buckets: Buckets
   dtype: Any
 
