@@ -60,6 +60,8 @@ def _add_engine_args(p, *, skip: tuple[str, ...] = (), **defaults):
       kw["type"] = int
     elif kind.startswith("float"):
       kw["type"] = float
+    elif kind.startswith("dict"):
+      kw["metavar"] = "JSON"
     groups[section].add_argument(*flags, **kw)
   if SPECULATIVE not in skip:
     p.add_argument_group("engine options: speculative").add_argument(

@@ -11,6 +11,7 @@ checkpoints) and asks which platform jax runs on; the engine runs what it return
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import jax
@@ -31,6 +32,7 @@ PLATFORM_DEFAULTS = {  # backend -> (attention, int8 matmul, grouped matmul)
     "gpu": ("pallas_gpu", "pallas_gpu", "ragged_dot"),
 }
 CPU_DEFAULTS = ("xla", "xla", "xla")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,6 +40,9 @@ class ModelOptions:
   max_model_len: int = 2048  # prompt + output tokens per sequence (capped by the model's)
   # None, "int8" (int8 weights, float activations: W8A16) or "w8a8"; applied at load time.
   quantization: str | None = None
+  # How `quantization` quantizes, as JSON or a dict (vLLM's name), e.g. {"method": "awq",
+  # "group_size": 128}; None: the mode's defaults.
+  quantization_config: dict | None = None
   seed: int = 0  # seeds requests that bring none
   # Requests may ask for prompt_logprobs: compiles a second step variant per bucket that
   # projects every row to logits, used only by steps that carry such a request.
@@ -50,6 +55,17 @@ class ModelOptions:
     if self.quantization not in QUANTIZATIONS:
       raise ParameterError("quantization", f"unknown quantization {self.quantization!r}; choose "
                            f"one of {', '.join(str(q) for q in QUANTIZATIONS)}")
+    q = self.quantization_config
+    if isinstance(q, str):  # the CLI's JSON
+      try:
+        q = json.loads(q)
+      except json.JSONDecodeError as e:
+        raise ParameterError("quantization_config", f"quantization_config is not valid JSON: "
+                                                    f"{e}") from None
+      object.__setattr__(self, "quantization_config", q)
+    if q is not None and not isinstance(q, dict):
+      raise ParameterError("quantization_config", f"quantization_config must be a dict (JSON "
+                                                  f"object), got {type(q).__name__}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,10 +73,16 @@ class CacheConfig:
   page_size: int = 16  # tokens per KV-cache page
   num_pages: int | None = None  # default: room for max_num_seqs sequences of half max_model_len
   enable_prefix_caching: bool = True  # reuse the KV pages of prompts' shared full pages
+  # What the KV cache stores: "auto" (the model's dtype), "int8" (a scale per token and KV
+  # head, stored with its page) or "fp8" (e4m3, where the platform has it).
+  kv_cache_dtype: str = "auto"
 
   def __post_init__(self):
     if self.page_size < 1:
       raise ParameterError("page_size", f"page_size must be >= 1, got {self.page_size}")
+    if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+      raise ParameterError("kv_cache_dtype", f"kv_cache_dtype must be one of "
+                           f"{', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -149,6 +171,9 @@ class EngineConfig:
     platform decides filled in, every file named checked, `max_model_len` capped by the model's.
     """
     platform = platform or jax.default_backend()
+    if self.cache.kv_cache_dtype != "auto":
+      raise ParameterError("kv_cache_dtype", f"kv_cache_dtype={self.cache.kv_cache_dtype!r} is "
+                                             f"not implemented yet")
     max_len = min(self.model.max_model_len, model.max_position_embeddings)
     config = dataclasses.replace(
         self, model=dataclasses.replace(self.model, max_model_len=max_len),
