@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from jinfer.weights import gguf_quantized
 from jinfer.weights.gguf_file import _unpermute_rope, gguf_to_hf_name, load_gguf, open_gguf
@@ -150,6 +150,41 @@ def test_gguf_unsupported_type_raises_or_falls_back_when_asked(tiny_llama_gguf):
   assert "model.layers.1.self_attn.o_proj" not in w.linears
   t = next(t for t in open_gguf(tiny_llama_gguf).tensors if t.name == "blk.1.attn_output.weight")
   np.testing.assert_array_equal(w.floats[name], gguf.quants.dequantize(t.data, Q.Q5_K))
+
+
+@pytest.mark.parametrize("up_type", [Q.Q4_K, Q.Q6_K], ids=["same-format", "mixed"])
+def test_gguf_stacked_experts_fuse_along_n(tmp_path, up_type):
+  """blk.N.ffn_{gate,up}_exps [X, F, H] fuse into experts.gate_up_proj [X, H, 2F] (gate first)
+  when their formats agree; otherwise the fused tensor is an error or, when asked, floats."""
+  rng = np.random.default_rng(6)
+  x, f, h = 3, 32, 256
+  raw = {"ffn_gate_exps": _random_blocks(rng, Q.Q4_K, (x, f), h),
+         "ffn_up_exps": _random_blocks(rng, up_type, (x, f), h),
+         "ffn_down_exps": _random_blocks(rng, Q.Q5_K, (x, h), 256)}
+  types = {"ffn_gate_exps": Q.Q4_K, "ffn_up_exps": up_type, "ffn_down_exps": Q.Q5_K}
+  path = str(tmp_path / "experts.gguf")
+
+  def add(w):
+    for kind, data in raw.items():
+      w.add_tensor(f"blk.0.{kind}.weight", data, raw_dtype=types[kind])
+  write_tiny_gguf(path, "llama", extra=add)
+  ref = {k: gguf.quants.dequantize(v, types[k]) for k, v in raw.items()}  # [X, rows, cols]
+  gate_up = "model.layers.0.mlp.experts.gate_up_proj"
+  if up_type == Q.Q4_K:
+    _, w = read_gguf_groupwise(path)
+    np.testing.assert_array_equal(
+        w.linears[gate_up].dequantize(),
+        np.concatenate([ref["ffn_gate_exps"], ref["ffn_up_exps"]], axis=1).swapaxes(1, 2))
+  else:
+    with pytest.raises(WeightError, match=rf"HF tensor '{gate_up}' cannot be re-encoded "
+                                          r"group-wise: .*cannot be joined"):
+      read_gguf_groupwise(path)
+    _, w = read_gguf_groupwise(path, dequantize_unsupported=True)
+    assert list(w.dequantized) == [gate_up]
+    np.testing.assert_array_equal(
+        w.floats[gate_up], np.concatenate([ref["ffn_gate_exps"], ref["ffn_up_exps"]], axis=1))
+  np.testing.assert_array_equal(w.linears["model.layers.0.mlp.experts.down_proj"].dequantize(),
+                                ref["ffn_down_exps"].swapaxes(1, 2))
 
 
 @pytest.mark.slow
@@ -367,7 +402,6 @@ def test_bad_awq_tensors_are_precise_errors_before_any_weight_is_read(tmp_path):
 def test_gptq_g_idx_that_breaks_groups_is_a_precise_error(tmp_path):
   path, _ = _gptq_checkpoint(tmp_path, np.random.default_rng(5), zeros="asym", fmt="gptq_v2",
                              act_order=True)
-  from safetensors.numpy import load_file
   tensors = load_file(os.path.join(path, "model.safetensors"))
   p = PROJ.format(0)
   tensors[p + ".g_idx"] = np.zeros(K, np.int32)  # every row in group 0

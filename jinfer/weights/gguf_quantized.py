@@ -224,7 +224,8 @@ def read_gguf_groupwise(path: str, *, dequantize_unsupported: bool = False
   orientation of the tied output projection, [K=hidden, N=vocab]; a lookup is a column gather.
   A quantized tensor of a type that does not re-encode raises a WeightError naming it and its
   type, unless `dequantize_unsupported`, which dequantizes that tensor alone into `floats`
-  and records why in `dequantized`.
+  and records why in `dequantized` (for the types `gguf_file` dequantizes; others still raise
+  there). Fused experts whose parts differ in format take the same path.
   """
   reader = open_gguf(path)
   config = gguf_config(reader, path)

@@ -186,11 +186,10 @@ def _check_layer(scheme: QuantScheme, prefix: str, files, header, read) -> _Laye
                         f"{list(want)} for '{prefix}.qweight' {list(qw)} ({method}, "
                         f"{_CF}.group_size={scheme.group_size})")
   perm = None
-  if scheme.method == "gptq" and f"{prefix}.g_idx" in files:
-    if header(f"{prefix}.g_idx")[0] != (k,):
-      raise WeightError(f"{src}: tensor '{prefix}.g_idx' has shape "
-                        f"{list(header(f'{prefix}.g_idx')[0])}, expected [{k}]")
-    perm = _group_order(read(f"{prefix}.g_idx").astype(np.int64), g, f"{prefix}.g_idx", src)
+  if scheme.method == "gptq" and (name := f"{prefix}.g_idx") in files:
+    if (shape := header(name)[0]) != (k,):
+      raise WeightError(f"{src}: tensor '{name}' has shape {list(shape)}, expected [{k}]")
+    perm = _group_order(read(name).astype(np.int64), g, name, src)
   return _Layer(prefix, k, n, g, perm)
 
 
@@ -222,12 +221,12 @@ def _read_layer(scheme: QuantScheme, layer: _Layer, read) -> GroupwiseTensor:
   if scheme.method == "awq":
     column_nibble = np.argsort(_AWQ_ORDER)  # column j of 8 sits in nibble column_nibble[j]
     codes = _nibbles(read(f"{p}.qweight"))[..., column_nibble].reshape(k, n)
-    zeros = zeros[..., column_nibble].reshape(-1, n)
+    zeros = zeros[..., column_nibble].reshape(-1, n).astype(np.float32)
   else:
     codes = _nibbles(read(f"{p}.qweight").T).reshape(n, k).T  # [N, K/8, 8] -> [K, N]
     zeros = zeros.reshape(-1, n).astype(np.float32) + (1 if scheme.zero_minus_one else 0)
     if layer.perm is not None:
       codes = codes[layer.perm]
-  offset = -(zeros.astype(np.float32) * scale)  # exact: a 5-bit integer times a float16
+  offset = -(zeros * scale)  # exact: an integer of at most 5 bits times a float16
   return GroupwiseTensor.from_codes(np.ascontiguousarray(codes), scale, offset, bits=4,
                                     group_size=layer.group_size, perm=layer.perm)
