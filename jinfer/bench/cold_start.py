@@ -69,7 +69,8 @@ def _run(tree: str, cache_dir: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                              description=__doc__.split("\n\n")[0])
   ap.add_argument("--baseline-rev", default=None, help="git revision to compare against")
   ap.add_argument("--out", default=None, help="also write the JSON here")
   args = ap.parse_args(argv)

@@ -261,7 +261,8 @@ def bench_grouped_matmul(args, backends: list[str], interpret: bool) -> list[dic
 
 
 def main(argv: list[str] | None = None) -> dict:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                              description=__doc__.splitlines()[0])
   ap.add_argument("--out", required=True, help="where to write the JSON report")
   ap.add_argument("--peak-bw", type=float, default=H200_PEAK_BW,
                   help="peak HBM bandwidth in bytes/s (default: H200, 4.8e12)")

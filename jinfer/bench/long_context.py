@@ -38,7 +38,8 @@ QUESTION = "What is the secret passcode? Answer with the number only."
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                             description=__doc__.split("\n\n")[0])
   p.add_argument("--model", default=None, help="default: the built-in SmolLM2-135M-Instruct")
   p.add_argument("--devices", type=int, default=8, help="fake CPU devices to make (CPU only)")
   p.add_argument("--cp", type=int, default=None,

@@ -165,7 +165,8 @@ def _load() -> float | None:
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                              description=__doc__.split("\n")[0])
   ap.add_argument("--batch-sizes", default="1,16,64,128,256")
   ap.add_argument("--context", type=int, default=128)
   ap.add_argument("--reps", type=int, default=9)

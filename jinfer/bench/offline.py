@@ -321,7 +321,8 @@ def _jinfer_run(model: str, config: EngineConfig, workload: RandomWorkload,
 def main():
   os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach a model hub
   os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                              description=__doc__.split("\n")[0])
   ap.add_argument("--model", default=DEFAULT_MODEL)
   ap.add_argument("--num-prompts", type=int, default=64)
   ap.add_argument("--input-len-min", type=int, default=32)

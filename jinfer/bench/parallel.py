@@ -20,7 +20,8 @@ import time
 
 
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                              description=__doc__.split("\n\n")[0])
   ap.add_argument("--devices", type=int, default=8, help="host devices to make on the CPU")
   ap.add_argument("--shape", default="tiny", choices=("tiny", "smollm2", "llama3-8b"))
   ap.add_argument("--layouts", nargs="*",

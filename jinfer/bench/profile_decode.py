@@ -201,7 +201,8 @@ def profile_batch(engine: LLMEngine, batch: int, context: int, steps: int, repea
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                              description=__doc__.split("\n")[0])
   ap.add_argument("--model", default=DEFAULT_MODEL)
   ap.add_argument("--batches", default="1,8,64")
   ap.add_argument("--context", type=int, default=256)

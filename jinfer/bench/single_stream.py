@@ -55,7 +55,8 @@ def _batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> floa
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                              description=__doc__.split("\n")[0])
   ap.add_argument("--model", default=DEFAULT_MODEL)
   ap.add_argument("--modes", default="f32,int8,w8a8")
   ap.add_argument("--repeats", type=int, default=3)

@@ -79,7 +79,8 @@ def run(engine: LLMEngine, prompts, params, one_at_a_time: bool) -> dict:
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
+                              description=__doc__.split("\n\n")[0])
   ap.add_argument("--model", default=DEFAULT_MODEL)
   ap.add_argument("--draft", default=DRAFT)
   ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")

@@ -356,7 +356,7 @@ def cmd_accept(args):
 
 
 def main():
-  ap = argparse.ArgumentParser(
+  ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
       description="Distill a draft model for SmolLM2-135M-Instruct (speculative decoding).")
   ap.add_argument("--work-dir", default=os.path.join(cache_dir(), "distill"))
   sub = ap.add_subparsers(dest="stage", required=True)

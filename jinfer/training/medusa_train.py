@@ -348,7 +348,7 @@ def cmd_eval(args):
 
 
 def main():
-  ap = argparse.ArgumentParser(
+  ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
       description="Train Medusa-1 heads for SmolLM2-135M-Instruct by self-distillation.")
   ap.add_argument("--work-dir", default=os.path.join(cache_dir(), "medusa"))
   sub = ap.add_subparsers(dest="stage", required=True)
