@@ -5,6 +5,7 @@ Each op has one public entry point and a pure-jnp oracle beside its kernels.
 from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.dense_matmul import dense_matmul
 from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.groupwise_matmul import groupwise_matmul
 from pallas_kernels.int8_matmul import int8_matmul, quantize_per_channel
 from pallas_kernels.kv_cache_layout import KVCacheSpec, write_kv
 from pallas_kernels.ragged_paged_attention import (default_backend, merge_attention,
@@ -12,4 +13,4 @@ from pallas_kernels.ragged_paged_attention import (default_backend, merge_attent
 
 __all__ = ["AttentionMetadata", "KVCacheSpec", "write_kv", "ragged_paged_attention",
            "merge_attention", "default_backend", "dense_matmul", "grouped_matmul",
-           "int8_matmul", "quantize_per_channel"]
+           "groupwise_matmul", "int8_matmul", "quantize_per_channel"]

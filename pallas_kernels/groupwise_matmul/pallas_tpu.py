@@ -1,0 +1,122 @@
+"""Group-wise quantized matmul as a Mosaic TPU kernel.
+
+Grid (M/bm, N/bn, K/bk), K innermost, with an f32 accumulator tile in VMEM scratch. A K tile
+holds whole groups, so each step reads its groups' scales and offsets as one [bk/g, bn] block
+(the [K/g, N] arrays are viewed as [K/bk, bk/g, N] outside, which makes that block the full
+extent of its last two axes: no 8-row tiling constraint on bk/g). The packed weight tile is
+widened to int32 once, and each group is unpacked with a mask and a shift into its two halves
+(rows j and j + g/2 of the group: static, tile-aligned slices for g/2 a multiple of 8),
+dequantized in f32 with its scale and offset row, and stored in the activation dtype into a
+[bk, bn] VMEM tile in natural row order. One MXU dot of the activation tile with it then adds
+into the accumulator: HBM traffic is the packed weights, the MXU sees a full-depth contraction.
+
+Packed bytes come in as int8 (a free bitcast outside): Mosaic's unsigned-integer support is
+thin, and sign extension followed by `& 15` and `(>> 4) & 15` gives the same nibbles.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.groupwise_matmul.tiles import k_tile
+from pallas_kernels.int8_matmul.padding import pad_to, round_up
+
+
+def _kernel(x_ref, q_ref, s_ref, o_ref, out_ref, acc_ref, w_ref, *, bits: int, group_size: int):
+  # x [bm, bk], q [bk/2, bn] int8 (packed 4-bit) or [bk, bn] int8, s/o [bk/g, bn] f32,
+  # out [bm, bn]; scratch acc [bm, bn] f32, w [bk, bn] x.dtype
+  g = group_size
+  kk = pl.program_id(2)
+
+  @pl.when(kk == 0)
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  q = q_ref[...].astype(jnp.int32)
+  s, o = s_ref[...], o_ref[...]
+  for gi in range(s.shape[0]):
+    if bits == 4:
+      p = q[gi * g // 2:(gi + 1) * g // 2]  # [g/2, bn]
+      halves = (p & 15, (p >> 4) & 15)  # rows 0..g/2-1 and g/2..g-1 of group gi
+    else:
+      halves = (q[gi * g:(gi + 1) * g],)
+    rows = g // len(halves)
+    for h, v in enumerate(halves):
+      w = v.astype(jnp.float32) * s[gi:gi + 1] + o[gi:gi + 1]  # [rows, bn]
+      w_ref[pl.ds(gi * g + h * rows, rows), :] = w.astype(w_ref.dtype)
+
+  x = x_ref[...]
+  # f32 activations get an f32 product (the MXU's default rounds f32 inputs to bf16).
+  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+  acc_ref[...] += jax.lax.dot_general(x, w_ref[...], (((1,), (0,)), ((), ())),
+                                      precision=precision, preferred_element_type=jnp.float32)
+
+  @pl.when(kk == pl.num_programs(2) - 1)
+  def _():
+    out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def groupwise_matmul_tpu(
+    x: jax.Array,  # [M, K] float
+    q: jax.Array,  # [K/2, N] uint8 (bits 4) or [K, N] int8 (bits 8)
+    scale: jax.Array,  # [K/g, N]
+    offset: jax.Array,  # [K/g, N]
+    *,
+    bits: int,
+    group_size: int,
+    block_m: int = 128,
+    block_n: int = 256,
+    block_k: int = 512,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:  # [M, N] x.dtype
+  """Blocks: bm = min(block_m, M rounded up to 16) (a bf16 tile's rows), bn = min(block_n, N
+  rounded up to 128). K in one tile when K <= block_k (no padding); else bk is the multiple of
+  lcm(g, 128) up to block_k that pads K least (128: the activation tile's lanes). Operands are
+  zero-padded up to whole tiles inside (zero weights with zero scale and offset add nothing);
+  weights whose K and N are multiples of the tiles are never copied."""
+  m, k = x.shape
+  n = scale.shape[1]
+  g = group_size
+  bm = min(block_m, round_up(m, 16))
+  bn = min(block_n, round_up(n, 128))
+  if k <= block_k:
+    bk = k
+  else:
+    unit = math.lcm(g, 128)
+    bk = k_tile(k, block_k, [unit * i for i in range(1, max(block_k, unit) // unit + 1)])
+  mp, np_, kp = round_up(m, bm), round_up(n, bn), round_up(k, bk)
+  nk, gpb = kp // bk, bk // g
+  q_rows = bk // 2 if bits == 4 else bk
+
+  if bits == 4:
+    q = jax.lax.bitcast_convert_type(q, jnp.int8)
+  operands = [
+      pad_to(x, (mp, kp)),
+      pad_to(q, (kp * q_rows // bk, np_)),
+      pad_to(scale.astype(jnp.float32), (kp // g, np_)).reshape(nk, gpb, np_),
+      pad_to(offset.astype(jnp.float32), (kp // g, np_)).reshape(nk, gpb, np_),
+  ]
+  group_spec = pl.BlockSpec((None, gpb, bn), lambda i, j, kk: (kk, 0, j))
+  out = pl.pallas_call(
+      functools.partial(_kernel, bits=bits, group_size=g),
+      grid=(mp // bm, np_ // bn, nk),
+      in_specs=[
+          pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
+          pl.BlockSpec((q_rows, bn), lambda i, j, kk: (kk, j)),
+          group_spec,
+          group_spec,
+      ],
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+      out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+      scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32), pltpu.VMEM((bk, bn), x.dtype)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
+      interpret=interpret,
+      name=f"groupwise_matmul_int{bits}_g{g}",
+  )(*operands)
+  return out[:m, :n]
