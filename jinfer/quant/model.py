@@ -1,0 +1,175 @@
+"""Whole-model quantization: a float model's params -> params whose stacked linear kernels are
+4-bit group-wise (`quantize_model`: RTN, AWQ or GPTQ), or smoothed float params for W8A8
+(`smooth_model`).
+
+Which leaves are linear kernels comes from the model's declarations (`linear_kernels(config)`,
+passed in as `kernels`); quantization sits below the models in the layer map, so the model
+itself (a float `CausalLM` with a scanned stack) is an argument too, needed only to calibrate.
+
+What gets 4 bits: every linear kernel with leading (stacked) axes, i.e. the decoder layers'
+projections and MoE experts. The embedding and the LM head stay as they are (AWQ and GPTQ leave
+them in float too). Expert kernels always take RTN: calibration does not see their routed rows.
+
+Group size: K must be a multiple of it (the format has no ragged last group). Where the asked
+group size does not divide a kernel's K (SmolLM2's hidden size 576 = 4.5 x 128) the kernel takes
+the largest half, quarter, ... of it that does (576: 64), and says so.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jinfer.quant import awq, folding, smoothquant
+from jinfer.quant.calibration import LinearStats, calibrate, calibration_tokens
+from jinfer.quant.gptq import gptq, hessian
+from jinfer.quant.rtn import quantize_rtn
+
+METHODS = ("rtn", "awq", "gptq")
+STACK = "layers"  # the params subtree of the decoder layers, each leaf [layers, ...]
+
+
+def _tokens(calibration) -> list[int]:
+  if calibration is None:
+    raise ValueError("calibration: token ids or a tokenizer (for the shipped text) are needed")
+  if hasattr(calibration, "encode"):
+    return calibration_tokens(calibration)
+  return [int(t) for t in calibration]
+
+
+def group_size_for(k: int, group_size: int) -> int:
+  """The group size a kernel with K inputs takes: `group_size`, or its largest even fraction
+  (halving) that divides K."""
+  g = group_size
+  while k % g:
+    g //= 2
+    if g < 2 or g % 2:
+      raise ValueError(f"no even group size up to {group_size} divides K={k}")
+  return g
+
+
+def _stacked_kernels(params: dict, kernels: dict) -> list[tuple[tuple[str, ...], tuple]]:
+  """(path of the params dict holding `kernel`, its declaration) of every linear kernel with
+  leading axes."""
+  out = []
+  flat, _ = jax.tree_util.tree_flatten_with_path(kernels, is_leaf=lambda x: isinstance(x, tuple))
+  for keypath, decl in flat:
+    if decl is None:
+      continue
+    path = tuple(k.key for k in keypath)
+    w = folding.get(params, path)
+    # Float kernels only: a checkpoint may bring some already quantized.
+    if isinstance(w, (jax.Array, np.ndarray)) and w.ndim > decl[0] + decl[1]:
+      assert not decl[2], f"{path}: a stacked kernel stored outputs first"
+      out.append((path[:-1], decl))
+  return out
+
+
+def _calibrate(params, model, kernels, calibration, verbose, **kw):
+  if model is None:
+    raise ValueError("calibration needs the float model (a scanned CausalLM)")
+  return calibrate(model, params, kernels, _tokens(calibration), verbose=verbose, **kw)
+
+
+def apply_awq(params: dict, kernels: dict, stats: dict[tuple[str, ...], LinearStats], *,
+              group_size: int, sym: bool, clip: bool = True, n_grid: int = 20,
+              verbose: bool = True) -> dict:
+  """AWQ's scales searched and folded into every scale group of the layer stack, then (`clip`)
+  each kernel's clipping search. Returns float params (the same function as before, but for the
+  clipping) ready for `quantize_rtn`."""
+  stack, kst = params[STACK], kernels[STACK]
+  in_scale = {}  # linear path -> the scales folded into its input [L, K]
+  for grp in folding.layer_groups(stack, kst):
+    t = time.perf_counter()
+    st = stats[(STACK,) + grp.linears[0]]
+    w = folding.group_kernel(stack, kst, grp)  # [L, K, N]
+    g = group_size_for(w.shape[-2], group_size)
+    s, losses = awq.search_scales(jnp.asarray(st.rows), jnp.asarray(st.abs_mean), w,
+                                  group_size=g, sym=sym, n_grid=n_grid)
+    stack = folding.fold(stack, kst, grp, s)
+    for p in grp.linears:
+      in_scale[p] = s
+    if verbose:
+      best = np.asarray(jnp.argmin(losses, -1)) / n_grid
+      names = "+".join(p[-1] for p in grp.linears)
+      print(f"awq: {names} scales, alpha {best.min():.2f}..{best.max():.2f} over layers "
+            f"({time.perf_counter() - t:.1f} s)", flush=True)
+  if clip:
+    for path, decl in _stacked_kernels(params, kernels):
+      rel = path[1:]
+      if path[0] != STACK or rel in folding.SCORE_LINEARS or path not in stats:
+        continue
+      t = time.perf_counter()
+      w = folding.get(stack, rel + ("kernel",))
+      flat = folding.flat_kernel(w, decl)
+      x = jnp.asarray(stats[path].rows)  # [L, n, K]
+      if rel in in_scale:
+        x = x / in_scale[rel][:, None, :]
+      clipped = awq.clip_weights(x, flat, group_size=group_size_for(flat.shape[-2], group_size),
+                                 sym=sym, n_grid=n_grid)
+      stack = folding.replace(stack, rel + ("kernel",), clipped.reshape(w.shape).astype(w.dtype))
+      if verbose:
+        print(f"awq: {rel[-1]} clipped ({time.perf_counter() - t:.1f} s)", flush=True)
+  return {**params, STACK: stack}
+
+
+def quantize_model(params: dict, kernels: dict, *, method: str = "rtn", model=None,
+                   calibration: Sequence[int] | object | None = None, group_size: int = 128,
+                   sym: bool = False, act_order: bool = False, clip: bool = True,
+                   n_grid: int = 20, rows: int = 512, seq_len: int = 512,
+                   verbose: bool = True) -> dict:
+  """Params with every stacked linear kernel replaced by a `GroupwiseArray` (4-bit, groups of
+  `group_size` along K; see the module docstring for K it does not divide).
+
+  method: "rtn" (no calibration), "awq" (scales folded into the norms and up_proj, which come
+    back changed; `clip`: also AWQ's clipping search) or "gptq" (`act_order`: desc_act with
+    static groups, see `jinfer/quant/gptq.py`).
+  model: the float model (`CausalLM(config)`, scanned), for "awq" and "gptq".
+  calibration: token ids, or a tokenizer to encode the shipped calibration text.
+  rows: calibration rows AWQ's searches measure on; seq_len: calibration sequence length.
+  """
+  if method not in METHODS:
+    raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+  start = time.perf_counter()
+  stats = {}
+  if method == "gptq":
+    stats = _calibrate(params, model, kernels, calibration, verbose, xtx=True, seq_len=seq_len)
+  elif method == "awq":
+    stats = _calibrate(params, model, kernels, calibration, verbose, rows=rows, seq_len=seq_len)
+    params = apply_awq(params, kernels, stats, group_size=group_size, sym=sym, clip=clip,
+                       n_grid=n_grid, verbose=verbose)
+  out = params
+  for path, decl in _stacked_kernels(params, kernels):
+    t = time.perf_counter()
+    w = folding.flat_kernel(folding.get(params, path + ("kernel",)), decl)  # [lead..., K, N]
+    g = group_size_for(w.shape[-2], group_size)
+    if method == "gptq" and path in stats:
+      st = stats[path]
+      q = gptq(w, hessian(jnp.asarray(st.xtx), st.count), group_size=g, sym=sym,
+               act_order=act_order, block_size=max(128, g))
+    else:
+      q = quantize_rtn(w, g, sym)
+    out = folding.replace(out, path + ("kernel",), jax.block_until_ready(q))
+    if verbose:
+      how = "gptq" if method == "gptq" and path in stats else "rtn"
+      print(f"{how}: {'/'.join(path)} {tuple(w.shape)} g{g} "
+            f"({time.perf_counter() - t:.1f} s)", flush=True)
+  if verbose:
+    print(f"quantize_model ({method}): {time.perf_counter() - start:.1f} s", flush=True)
+  return out
+
+
+def smooth_model(params: dict, kernels: dict, *, model, calibration: Sequence[int] | object,
+                 alpha: float = 0.5, seq_len: int = 512, verbose: bool = True) -> dict:
+  """SmoothQuant: float params with each scale group's smoothing scales folded in (the same
+  function as before), for W8A8 (`qarray.quantize_params` quantizes them as usual)."""
+  stats = _calibrate(params, model, kernels, calibration, verbose, seq_len=seq_len)
+  stack, kst = params[STACK], kernels[STACK]
+  for grp in folding.layer_groups(stack, kst):
+    s = smoothquant.smooth_scales(jnp.asarray(stats[(STACK,) + grp.linears[0]].abs_max),
+                                  folding.group_kernel(stack, kst, grp), alpha)
+    stack = folding.fold(stack, kst, grp, s)
+  return {**params, STACK: stack}
