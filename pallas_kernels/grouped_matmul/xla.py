@@ -10,9 +10,10 @@ copying every group's weights on every call. Two ways around both, picked by sha
     largest group, and one batched dot `[G, C, K] x [G, K, N]` reads every group's weights in
     place. Work is G x C rows: the capacities step by 1.5x, so at most ~1.5x the rows of the
     largest group, per group.
-  * a loop over the non-empty groups (few rows per group, or int8 weights): each group
-    multiplies its rows, `block_m` at a time, by its own weights (copied out, or widened from
-    int8 one group at a time, so memory traffic stays int8). Empty groups cost nothing.
+  * a loop over the non-empty groups (few rows per group, or int8 / group-wise quantized
+    weights): each group multiplies its rows, `block_m` at a time, by its own weights (copied
+    out, or widened from int8 / dequantized from group-wise int4 or int8 one group at a time, so
+    memory traffic stays quantized). Empty groups cost nothing.
 
 Both are dropless: every row is computed, whatever the group sizes.
 """
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.groupwise_matmul.xla import dequantize_f32
 from pallas_kernels.int8_matmul.quantize import quantize_per_token
 
 
@@ -42,17 +44,31 @@ def capacities(m: int) -> list[int]:
 
 def grouped_matmul_xla(
     lhs: jax.Array,  # [M, K] float
-    rhs: jax.Array,  # [G, K, N] float or int8
+    rhs: jax.Array,  # [G, K, N] float or int8 ([G, K/2, N] uint8: group-wise int4)
     group_sizes: jax.Array,  # [G] int32
-    scale: jax.Array | None,  # [G, N] float32 for int8 rhs
+    scale: jax.Array | None,  # [G, N] float32 for int8 rhs; [G, K/qg, N] group-wise
     *,
     mode: str,
     block_m: int | None = None,
+    offset: jax.Array | None = None,  # [G, K/qg, N] float32, group-wise
+    bits: int = 8,
+    quant_group_size: int | None = None,
 ) -> jax.Array:  # [M, N] lhs.dtype
   m, g = lhs.shape[0], rhs.shape[0]
   if scale is None and block_m is None and m >= g:
     return _blocks(lhs, rhs, group_sizes)
-  return _loop(lhs, rhs, group_sizes, scale, mode=mode, block_m=block_m or default_block_m(m, g))
+  if quant_group_size is not None:
+    groups_scale = scale.astype(jnp.float32)  # [G, K/qg, N]
+
+    def weight(e):  # [K, N] lhs.dtype: expert e dequantized, its scales applied
+      return dequantize_f32(rhs[e], groups_scale[e], offset[e].astype(jnp.float32), bits=bits,
+                            group_size=quant_group_size).astype(lhs.dtype)
+    scale = None  # applied inside the weights
+  else:
+    def weight(e):  # [K, N]: int8 kept for W8A8, else in lhs.dtype
+      return rhs[e] if scale is not None and mode == "w8a8" else rhs[e].astype(lhs.dtype)
+  return _loop(lhs, weight, rhs.shape[2], group_sizes, scale, mode=mode,
+               block_m=block_m or default_block_m(m, g))
 
 
 def _blocks(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -79,9 +95,10 @@ def _blocks(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array
   return jnp.where((rows < ends[-1])[:, None], out, 0).astype(lhs.dtype)
 
 
-def _loop(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, scale: jax.Array | None, *,
+def _loop(lhs: jax.Array, weight, n: int, group_sizes: jax.Array, scale: jax.Array | None, *,
           mode: str, block_m: int) -> jax.Array:
-  m, n, bm = lhs.shape[0], rhs.shape[2], block_m
+  """`weight(e)`: expert e's [K, N] weight as the dot takes it; `scale` [G, N] applied after."""
+  m, bm = lhs.shape[0], block_m
   w8a8 = scale is not None and mode == "w8a8"
   ends = jnp.cumsum(group_sizes)
   starts = ends - group_sizes
@@ -97,7 +114,7 @@ def _loop(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, scale: jax.Arr
 
   def group(i, out):
     e = visit[i]
-    w = rhs[e] if w8a8 else rhs[e].astype(lhs.dtype)  # [K, N]
+    w = weight(e)  # [K, N]
     start, end = starts[e], ends[e]
 
     def tile(t, out):
