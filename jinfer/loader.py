@@ -9,23 +9,38 @@ from jinfer.config import ModelConfig
 from jinfer.tokenizer import Tokenizer
 from jinfer.weights.builtin import BUILTIN_MODELS, builtin_gguf_path, is_builtin
 from jinfer.weights.gguf_file import load_gguf
+from jinfer.weights.gguf_quantized import read_gguf_groupwise
+from jinfer.weights.hf_layout import hf_to_params
+from jinfer.weights.hf_quantized import is_quantized_dir, read_hf_groupwise
 from jinfer.weights.safetensors_dir import load_safetensors_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def load_model(model: str, dtype=jnp.float32, *,
-               load_tokenizer: bool = True) -> tuple[ModelConfig, dict, Tokenizer | None]:
+def load_model(model: str, dtype=jnp.float32, *, load_tokenizer: bool = True,
+               keep_gguf_quantized: bool = False) -> tuple[ModelConfig, dict, Tokenizer | None]:
   """`model`: a built-in name, an HF directory (config.json + safetensors), or a .gguf file.
-  Without `load_tokenizer` the tokenizer is None (token-id prompts only)."""
+  Without `load_tokenizer` the tokenizer is None (token-id prompts only).
+
+  Quantized checkpoints: an AWQ or GPTQ directory always loads its linear layers as 4-bit
+  `GroupwiseArray`s (never through float); a GGUF file's blocks stay quantized (re-encoded
+  exactly, see `jinfer/weights/gguf_quantized.py`) with `keep_gguf_quantized`, else they are
+  dequantized to `dtype`."""
   if is_builtin(model):
     model = builtin_gguf_path(model)
   if os.path.isfile(model) and model.endswith(".gguf"):
-    config, params = load_gguf(model, dtype)
+    if keep_gguf_quantized:
+      config, weights = read_gguf_groupwise(model, dequantize_unsupported=True)
+      params = hf_to_params(config, weights.get, dtype=dtype, source=model)
+    else:
+      config, params = load_gguf(model, dtype)
     return config, params, Tokenizer.from_gguf(model) if load_tokenizer else None
   if os.path.isdir(model):
     config = ModelConfig.from_hf_dir(model)
-    return (config, load_safetensors_dir(model, config, dtype),
-            Tokenizer.from_dir(model) if load_tokenizer else None)
+    if is_quantized_dir(model):
+      params = hf_to_params(config, read_hf_groupwise(model).get, dtype=dtype, source=model)
+    else:
+      params = load_safetensors_dir(model, config, dtype)
+    return config, params, Tokenizer.from_dir(model) if load_tokenizer else None
   raise ValueError(f"model {model!r} is not a built-in name ({', '.join(BUILTIN_MODELS)}), "
                    f"an HF model directory, or a .gguf file")

@@ -16,14 +16,13 @@ import itertools
 import time
 
 from jinfer.config import ModelConfig
-from jinfer.engine import compilation_cache
+from jinfer.engine import compilation_cache, weight_quantization
 from jinfer.engine.engine import EngineStats, LLMEngine
 from jinfer.engine.engine_config import EngineConfig, default_dtype
 from jinfer.engine.request import RequestOutput
 from jinfer.parallel.mesh import data_parallel_devices
 from jinfer.sampling.params import SamplingParams
 from jinfer.tokenizer import Tokenizer
-from jinfer.loader import load_model
 
 
 class DataParallelEngine:
@@ -37,8 +36,9 @@ class DataParallelEngine:
     if config.kernels.compilation_cache:
       compilation_cache.enable()
     t0 = time.monotonic()
-    model_config, params, tokenizer = load_model(model, dtype or default_dtype(),
-                                                 load_tokenizer=not skip_tokenizer_init)
+    model_config, params, tokenizer = weight_quantization.load(
+        model, config.model.quantization, config.model.quantization_config,
+        dtype or default_dtype(), load_tokenizer=not skip_tokenizer_init)
     self._build(model_config, params, tokenizer, config, dtype, warmup)
     self.load_seconds = time.monotonic() - t0 - self.warmup_seconds
 
@@ -154,7 +154,8 @@ class DataParallelEngine:
         prefix_hit_rate=mean("prefix_hit_rate"), num_preemptions=total("num_preemptions"),
         prompt_tokens=total("prompt_tokens"), generation_tokens=total("generation_tokens"),
         num_steps=max(s.num_steps for s in per), weight_bytes=total("weight_bytes"),
-        kv_cache_bytes=total("kv_cache_bytes"))
+        kv_cache_bytes=total("kv_cache_bytes"), kv_bytes_per_token=per[0].kv_bytes_per_token,
+        kv_pages_per_gib=per[0].kv_pages_per_gib)
 
 
 def create_engine(model: str, *, config: EngineConfig, dtype=None, warmup: bool = True,

@@ -19,10 +19,9 @@ from jinfer.engine.request import CompletionOutput, RequestMetrics, RequestOutpu
 from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jinfer.engine.step_input import MAX_BANNED, RowError, StepInput, build_step_input
-from jinfer.models import linear_kernels
+from jinfer.engine import weight_quantization
 from jinfer.parallel.mesh import make_mesh
 from jinfer.parallel.sharding import check_tensor_parallel, duplicate_kv_heads
-from jinfer.quant.qarray import quantize_params
 from jinfer.sampling.sample import SampleOutput
 from jinfer.sampling.params import SamplingParams
 from jinfer.errors import ParameterError
@@ -31,7 +30,7 @@ from jinfer.engine.speculative.proposer import Proposer, Target
 from jinfer.engine.speculative.registry import create_proposer
 from jinfer.engine.speculative.stats import SpecStats
 from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
-from jinfer.loader import DEFAULT_MODEL, load_model
+from jinfer.loader import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +62,10 @@ class EngineStats:
   num_steps: int
   weight_bytes: int
   kv_cache_bytes: int
+  # K and V of one token over every layer, quantization scales included (kv_cache_dtype), and
+  # how many pages of the cache fit in a GiB.
+  kv_bytes_per_token: int
+  kv_pages_per_gib: float
   expert_load: ExpertLoad | None = None  # MoE models: tokens routed to each expert so far
   spec: SpecStats | None = None  # speculative decoding, when on
 
@@ -81,8 +84,9 @@ class LLMEngine:
       compilation_cache.enable()
     log.info("loading %s ...", model)
     t0 = time.monotonic()
-    model_config, params, tokenizer = load_model(model, dtype,
-                                                 load_tokenizer=not skip_tokenizer_init)
+    model_config, params, tokenizer = weight_quantization.load(
+        model, config.model.quantization, config.model.quantization_config, dtype,
+        load_tokenizer=not skip_tokenizer_init)
     self.load_seconds = time.monotonic() - t0
     log.info("loaded %s in %.1f s", model, self.load_seconds)
     self._build(model_config, params, tokenizer, config, dtype, warmup)
@@ -134,9 +138,14 @@ class LLMEngine:
       mesh = make_mesh(par, devices)
     # One device gets no mesh in the kernels: attention skips the per-shard wrapper.
     kernels = config.kernel_options(mesh if par.is_parallel else None)
-    if config.model.quantization:
-      run_params = quantize_params(run_params,
-                                   linear_kernels(run_config, kernels.int8_transposed))
+    if config.model.quantization in ("int4", "gguf") and mesh is not None:
+      raise ParameterError("quantization", f"quantization={config.model.quantization!r} does not "
+                           f"run sharded yet (tensor/context parallelism)")
+    run_params = weight_quantization.quantize_weights(
+        run_config, run_params, config.model.quantization,
+        weight_quantization.check_config(config.model.quantization,
+                                         config.model.quantization_config),
+        int8_transposed=kernels.int8_transposed, tokenizer=tokenizer)
     if spec is not None:
       self.proposer = create_proposer(spec, Target(
           config=model_config, params=params, run_config=run_config, run_params=run_params,
@@ -513,7 +522,7 @@ class LLMEngine:
     running = self.scheduler.running
     held = sum(len(s.pages) for s in running) * self.config.cache.page_size
     used = sum(s.num_computed_tokens for s in running)
-    b = self.blocks
+    b, spec = self.blocks, self.runner.spec
     return EngineStats(
         num_running=len(running), num_waiting=len(self.scheduler.waiting),
         kv_utilization=used / held if held else 0.0,
@@ -522,6 +531,8 @@ class LLMEngine:
         num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self.prompt_tokens,
         generation_tokens=self.generation_tokens, num_steps=self.num_steps,
         weight_bytes=self.runner.weight_bytes, kv_cache_bytes=self.runner.kv_cache_bytes,
+        kv_bytes_per_token=spec.bytes_per_token,
+        kv_pages_per_gib=2**30 / (spec.bytes_per_token * spec.page_size),
         expert_load=(None if self.expert_tokens is None else
                      ExpertLoad.of(self.model_config.moe_layer_ids, self.expert_tokens)),
         spec=self.spec_stats.copy() if self.spec_stats is not None else None)

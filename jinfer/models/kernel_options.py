@@ -6,7 +6,10 @@ import dataclasses
 from jax.sharding import Mesh
 
 
-QUANTIZATIONS = (None, "int8", "w8a8")
+# None: float weights. "int8": int8 weights with per-output-channel scales, float activations
+# (W8A16). "w8a8": activations quantized per token too, int32 accumulation. "int4": 4-bit
+# group-wise weights (W4A16; see jinfer/quant/). "gguf": a GGUF file's blocks kept quantized.
+QUANTIZATIONS = (None, "int8", "w8a8", "int4", "gguf")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -16,11 +19,11 @@ class KernelOptions:
   # platform, for params on one device; the engine takes "reference" for sharded ones).
   dense: str | None = None
   matmul: str = "xla"  # int8_matmul backend (used only when quantized)
+  # groupwise_matmul backend: int4 and group-wise int8 weights (None: the op's platform default)
+  groupwise: str | None = None
   grouped_matmul: str = "xla"  # grouped_matmul backend: MoE experts
   interpret: bool = False  # Pallas kernels in interpret mode (CPU testing)
-  # None: float weights. "int8": int8 weights with per-output-channel scales, float activations
-  # (W8A16). "w8a8": activations quantized per token too, int32 accumulation.
-  quantization: str | None = None
+  quantization: str | None = None  # one of QUANTIZATIONS
   # Quantized linear kernels stored outputs first, `[out..., in...]`: XLA:CPU's integer GEMM
   # reads that layout faster at a few rows (one SmolLM2 stack at 2 rows: ~17 -> ~13 ms on a
   # 2-core box; the same at 64). Set where the "xla" matmul runs on one device.

@@ -47,10 +47,11 @@ from flax import struct
 from jinfer.config import ModelConfig
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.models.moe import MoE
-from jinfer.models.params import LinearKernel, default_init as _init, param as _param
+from jinfer.models.params import LinearKernel, default_init as _init, kernel as _kernel, param as _param
+from jinfer.quant.groupwise import GroupwiseArray
 from jinfer.quant.qarray import QArray
 from jinfer.parallel.attention import paged_attention
-from pallas_kernels import AttentionMetadata, dense_matmul, int8_matmul
+from pallas_kernels import AttentionMetadata, dense_matmul, groupwise_matmul, int8_matmul
 
 NO_WINDOW = 1 << 30  # a per-layer window that never excludes a key
 # A quantized tied LM head keeps float activations even under W8A8: rounding the final hidden
@@ -62,7 +63,8 @@ class Linear(nn.Module):
   """y = x @ kernel over the leading `n_in` kernel axes. The one place weights multiply.
 
   Quantized, the kernel is a `QArray` (int8 values, a float scale per output channel) and the
-  product goes through the int8 matmul kernel.
+  product goes through the int8 matmul kernel, or a `GroupwiseArray` (int4 or int8 values with a
+  scale and offset per group of inputs, flattened to [K, N]) through the group-wise one.
   """
   shape: tuple[int, ...]
   axes: tuple[str, ...]
@@ -75,19 +77,21 @@ class Linear(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     out_shape = self.shape[self.n_in:]
     n_out = len(out_shape)
-    if self.kernels.quantization:
+    if self.kernels.quantization in ("int8", "w8a8"):
       flip = self.kernels.int8_transposed
       init = lambda _, shape, dtype: QArray(
           values=jnp.zeros(out_shape + shape[:self.n_in] if flip else shape, jnp.int8),
           scale=jnp.ones(out_shape, jnp.float32), n_in=self.n_in, n_out=n_out, transposed=flip)
     else:
       init = _init
-    w = self.param("kernel", lambda *a: LinearKernel(init(*a), self.axes, n_in=self.n_in,
-                                                     n_out=n_out, reads_transposed=True),
-                   self.shape, self.dtype)
-    if isinstance(w, QArray):
-      k, n = int(np.prod(self.shape[:self.n_in])), int(np.prod(out_shape))
-      lead = x.shape[:x.ndim - self.n_in]
+    w = _kernel(self, "kernel", lambda *a: LinearKernel(init(*a), self.axes, n_in=self.n_in,
+                                                        n_out=n_out, reads_transposed=True),
+                self.shape, self.dtype)
+    k, n = int(np.prod(self.shape[:self.n_in])), int(np.prod(out_shape))
+    lead = x.shape[:x.ndim - self.n_in]
+    if isinstance(w, GroupwiseArray):
+      y = _groupwise(x.reshape(-1, k), w, self.kernels).reshape(lead + out_shape)
+    elif isinstance(w, QArray):
       y = int8_matmul(x.reshape(-1, k), w.values.reshape((n, k) if w.transposed else (k, n)),
                       w.scale.reshape(n), mode=self.kernels.matmul_mode,
                       backend=self.kernels.matmul, interpret=self.kernels.interpret,
@@ -260,15 +264,17 @@ class CausalLM(nn.Module):
     `return_hidden` (else None), the updated cache)."""
     c = self.config
     if c.tie_word_embeddings:  # the LM head's kernel too: quantized with the linear layers
-      embed = self.param("embedding", lambda *a: LinearKernel(
+      embed = _kernel(self, "embedding", lambda *a: LinearKernel(
           _embedding_init(self.kernels, *a), ("vocab", "embed"), transposed=True),
           (c.vocab_size, c.hidden_size), self.dtype)
     else:
-      embed = _param(self, "embedding", (c.vocab_size, c.hidden_size), ("vocab", "embed"),
-                     self.dtype)
+      embed = _kernel(self, "embedding", nn.with_logical_partitioning(_init, ("vocab", "embed")),
+                      (c.vocab_size, c.hidden_size), self.dtype)
     if isinstance(embed, QArray):  # rows dequantized as they are looked up
       x = (embed.values[token_ids].astype(self.dtype)
            * embed.scale[token_ids][:, None].astype(self.dtype))  # [T, E]
+    elif isinstance(embed, GroupwiseArray):  # [K=E, N=V], the head's view: columns looked up
+      x = embed.dequantize_columns(token_ids).T.astype(self.dtype)  # [T, E]
     else:
       x = embed[token_ids]  # [T, E]
     inv_freq = jnp.asarray(c.inv_freq(), jnp.float32)  # [D/2]
@@ -312,7 +318,17 @@ class CausalLM(nn.Module):
     return logits.astype(jnp.float32), (x if return_hidden else None), kv_cache
 
 
+def _groupwise(x: jax.Array, w: GroupwiseArray, kernels: KernelOptions) -> jax.Array:
+  """x [M, K] @ w [K, N] (group-wise quantized) -> [M, N]."""
+  if w.perm is not None:  # rows stored in act-order groups: x's columns follow them
+    x = x[:, w.perm]
+  return groupwise_matmul(x, w.q, w.scale, w.offset, bits=w.bits, group_size=w.group_size,
+                          backend=kernels.groupwise, interpret=kernels.interpret)
+
+
 def _tied_head(x: jax.Array, embed, kernels: KernelOptions) -> jax.Array:
+  if isinstance(embed, GroupwiseArray):  # stored [K=E, N=V]
+    return _groupwise(x, embed, kernels)
   if isinstance(embed, QArray):
     return int8_matmul(x, embed.values, embed.scale, mode=HEAD_MODE, backend=kernels.matmul,
                        interpret=kernels.interpret, transpose_w=True)
@@ -329,7 +345,7 @@ def lm_head(params: dict, config: ModelConfig, kernels: KernelOptions, x: jax.Ar
 
 
 def _embedding_init(kernels: KernelOptions, key, shape, dtype):
-  if kernels.quantization:
+  if kernels.quantization in ("int8", "w8a8"):
     return QArray(values=jnp.zeros(shape, jnp.int8), scale=jnp.ones(shape[:1], jnp.float32),
                   n_in=1, n_out=1, transposed=True)
   return _init(key, shape, dtype)

@@ -26,8 +26,9 @@ import numpy as np
 
 from jinfer.config import ModelConfig
 from jinfer.models.kernel_options import KernelOptions
-from jinfer.models.params import LinearKernel, default_init, param
+from jinfer.models.params import LinearKernel, default_init, kernel, param
 from jinfer.parallel.experts import expert_parallel_matmul
+from jinfer.quant.groupwise import GroupwiseArray
 from jinfer.quant.qarray import QArray
 from pallas_kernels import grouped_matmul
 
@@ -44,18 +45,23 @@ class Experts(nn.Module):
   def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
     g, k, out_shape = self.shape[0], self.shape[1], self.shape[2:]
     kn = self.kernels
-    if kn.quantization:  # per expert and output channel scales, like any quantized kernel
+    if kn.quantization in ("int8", "w8a8"):  # per expert and output channel scales
       init = lambda _, shape, dtype: QArray(values=jnp.zeros(shape, jnp.int8),
                                             scale=jnp.ones((g,) + out_shape, jnp.float32),
                                             n_in=1, n_out=len(out_shape))
     else:
       init = default_init
-    w = self.param("kernel", lambda *a: LinearKernel(init(*a), self.axes, n_in=1,
-                                                     n_out=len(out_shape)), self.shape, self.dtype)
+    w = kernel(self, "kernel", lambda *a: LinearKernel(init(*a), self.axes, n_in=1,
+                                                       n_out=len(out_shape)), self.shape,
+               self.dtype)
     n = int(np.prod(out_shape))
 
     def matmul(x, w, group_sizes):  # w: [G, K, *out] for G of the experts
       g = group_sizes.shape[0]
+      if isinstance(w, GroupwiseArray):
+        # Stored 4-bit; the grouped matmul takes float or int8 experts, so the step widens the
+        # experts it runs to the activations' dtype first (a transient copy, not a resident one).
+        w = w.dequantize().astype(x.dtype)
       if isinstance(w, QArray):
         return grouped_matmul(x, w.values.reshape(g, k, n), group_sizes, w.scale.reshape(g, n),
                               mode=kn.matmul_mode, backend=kn.grouped_matmul,

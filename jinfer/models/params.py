@@ -7,6 +7,8 @@ import flax.linen as nn
 import jax
 from flax import struct
 
+from jinfer.quant.groupwise import GroupwiseArray
+
 default_init = nn.initializers.normal(0.02)
 
 
@@ -19,6 +21,18 @@ class LinearKernel(nn.LogicallyPartitioned):
   n_out: int = struct.field(pytree_node=False, default=1)
   transposed: bool = struct.field(pytree_node=False, default=False)
   reads_transposed: bool = struct.field(pytree_node=False, default=False)
+
+
+def kernel(mod: nn.Module, name: str, init, *args):
+  """A linear kernel param: `mod.param(name, init, *args)`, except that a group-wise quantized
+  kernel is taken as stored. Its shapes (bits, group size, packing) come from its checkpoint or
+  quantizer, not from the layer, so flax's check of the stored shapes against `init`'s does not
+  apply; the group-wise matmul checks them against the input instead."""
+  if mod.has_variable("params", name):
+    stored = mod.get_variable("params", name)
+    if isinstance(stored, GroupwiseArray):
+      return stored
+  return mod.param(name, init, *args)
 
 
 def param(mod: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], dtype,

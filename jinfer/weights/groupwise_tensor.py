@@ -13,8 +13,10 @@ import dataclasses
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jinfer.quant.groupwise import GroupwiseArray
 from pallas_kernels.groupwise_matmul import packing
 
 
@@ -91,6 +93,40 @@ class GroupwiseTensor:
     return np.take_along_axis(w, inverse[..., :, None], axis=-2)
 
 
+  @classmethod
+  def stack(cls, parts: list["GroupwiseTensor"]) -> "GroupwiseTensor":
+    """Weights of one shape on a new leading axis (the layers of a stack). Parts stored in
+    different forms (a GGUF file with Q4_K and Q6_K layers) meet exactly in the widest: 8 bits
+    if any part has them (4-bit codes are int8 values too, with the same scale and offset), and
+    the smallest group size (a group splits into smaller ones with its scale and offset)."""
+    bits = max(p.bits for p in parts)
+    g = min(p.group_size for p in parts)
+    if any(p.group_size % g for p in parts):
+      raise ValueError(f"group sizes {sorted({p.group_size for p in parts})} do not nest")
+    if {p.perm is None for p in parts} == {True, False}:
+      raise ValueError("some parts have a row permutation and some do not")
+    same = [p if (p.bits, p.group_size) == (bits, g) else p._as(bits, g) for p in parts]
+    st = lambda field: np.stack([getattr(p, field) for p in same])
+    return cls(q=st("q"), scale=st("scale"), offset=st("offset"), bits=bits, group_size=g,
+               perm=None if parts[0].perm is None else st("perm"))
+
+  def _as(self, bits: int, group_size: int) -> "GroupwiseTensor":
+    """The same weight, exactly, with wider codes and/or smaller groups."""
+    r = self.group_size // group_size
+    codes = self.codes()
+    return GroupwiseTensor.from_codes(
+        codes if bits == self.bits else codes.astype(np.int8),
+        np.repeat(self.scale, r, axis=-2), np.repeat(self.offset, r, axis=-2), bits=bits,
+        group_size=group_size, perm=self.perm)
+
+  def to_device(self) -> GroupwiseArray:
+    """The model's weight type, on the default device."""
+    return GroupwiseArray(q=jnp.asarray(self.q), scale=jnp.asarray(self.scale),
+                          offset=jnp.asarray(self.offset), bits=self.bits,
+                          group_size=self.group_size,
+                          perm=None if self.perm is None else jnp.asarray(self.perm, jnp.int32))
+
+
 def concat_columns(parts: list[GroupwiseTensor], name: str) -> GroupwiseTensor:
   """Join weights along N (a fused projection such as gate_up); `name` is for the error."""
   first = parts[0]
@@ -114,3 +150,9 @@ class GroupwiseWeights(NamedTuple):
   floats: dict[str, np.ndarray]
   # names in `floats` the file stored quantized, dequantized because asked to -> why
   dequantized: dict[str, str]
+
+  def get(self, name: str) -> GroupwiseTensor | np.ndarray:
+    """An HF tensor by name (`hf_layout`'s `get`): a quantized linear's `.weight` is its
+    group-wise weight. KeyError for a missing one."""
+    module = name.removesuffix(".weight")
+    return self.linears.get(module) or self.linears.get(name) or self.floats[name]

@@ -18,13 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinfer.config import ModelConfig
+from jinfer.weights.groupwise_tensor import GroupwiseTensor
 
 
 class WeightError(ValueError):
   """A checkpoint file is missing a tensor, has a wrong shape, or is unreadable."""
 
 
-def _expect(arr: np.ndarray, shape: tuple[int, ...], name: str, source: str) -> np.ndarray:
+def _expect(arr, shape: tuple[int, ...], name: str, source: str):
   if tuple(arr.shape) != shape:
     raise WeightError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {shape}")
   return arr
@@ -41,17 +42,19 @@ def hf_to_params(config: ModelConfig, get: Callable[[str], np.ndarray], *, dtype
   # Host staging in the target precision where numpy has it (bfloat16 converts on device).
   host = np.float32 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
 
-  def t(name: str, shape: tuple[int, ...]) -> np.ndarray:
+  def t(name: str, shape: tuple[int, ...]) -> np.ndarray | GroupwiseTensor:
     try:
       arr = get(name)
     except KeyError:
       raise WeightError(f"{source}: missing tensor {name!r}") from None
+    if isinstance(arr, GroupwiseTensor):  # HF [..., N, K] held as [..., K, N]
+      return _expect(arr, shape[:-2] + shape[:-3:-1], name, source)
     return _expect(np.asarray(arr), shape, name, source)
 
   def plain(tensors: list) -> list[Fetch]:
     """(params path, HF name after "model.layers.N.", HF shape, to our layout) -> fetches."""
     return [lambda i, path=path, hf=hf, shape=shape, to=to: {
-        path: (to or np.asarray)(t(f"model.layers.{i}.{hf}", shape))}
+        path: _to_layout(t(f"model.layers.{i}.{hf}", shape), to)}
         for path, hf, shape, to in tensors]
 
   proj = lambda heads: lambda w: w.T.reshape(e, heads, d)  # HF [heads*D, E] -> [E, heads, D]
@@ -77,9 +80,12 @@ def hf_to_params(config: ModelConfig, get: Callable[[str], np.ndarray], *, dtype
     of the stack written straight into its slot; one fetch at a time is staged on the host."""
     tree: dict = {}
     for fetch in fetches:
-      arrays: dict[tuple[str, ...], np.ndarray] = {}
+      arrays: dict[tuple[str, ...], np.ndarray | list[GroupwiseTensor]] = {}
       for j, i in enumerate(layer_ids):
         for path, w in fetch(i).items():
+          if isinstance(w, GroupwiseTensor):
+            arrays.setdefault(path, []).append(w)
+            continue
           if path not in arrays:
             arrays[path] = np.empty((len(layer_ids),) + w.shape, host)
           arrays[path][j] = w
@@ -87,7 +93,8 @@ def hf_to_params(config: ModelConfig, get: Callable[[str], np.ndarray], *, dtype
         node = tree
         for key in (prefix + path)[:-1]:
           node = node.setdefault(key, {})
-        node[(prefix + path)[-1]] = jnp.asarray(a, dtype=dtype)
+        node[(prefix + path)[-1]] = (GroupwiseTensor.stack(a).to_device() if isinstance(a, list)
+                                     else jnp.asarray(a, dtype=dtype))
     return tree
 
   attn = plain(layer_tensors)
@@ -103,12 +110,28 @@ def hf_to_params(config: ModelConfig, get: Callable[[str], np.ndarray], *, dtype
     params = {"layers": {**stack(attn, every), **stack(moe, every, ("moe",))}}
   else:
     params = {"layers": {**stack(attn, every), **stack(mlp, every, ("mlp",))}}
-  params["embedding"] = jnp.asarray(t("model.embed_tokens.weight", (c.vocab_size, e)), dtype=dtype)
+  params["embedding"] = _placed(t("model.embed_tokens.weight", (c.vocab_size, e)), None, dtype)
   params["norm"] = {"scale": jnp.asarray(t("model.norm.weight", (e,)), dtype=dtype)}
   if not c.tie_word_embeddings:
-    params["lm_head"] = {"kernel": jnp.asarray(t("lm_head.weight", (c.vocab_size, e)).T,
-                                               dtype=dtype)}
+    params["lm_head"] = {"kernel": _placed(t("lm_head.weight", (c.vocab_size, e)), np.transpose,
+                                           dtype)}
   return params
+
+
+def _to_layout(w: np.ndarray | GroupwiseTensor, to: Callable | None):
+  """An HF tensor in our layout. A group-wise weight already is: it is held [K, N], which is
+  our kernel `[in..., out...]` flattened, and stays so (the model reads it flattened)."""
+  if isinstance(w, GroupwiseTensor):
+    return w
+  return (to or np.asarray)(w)
+
+
+def _placed(w: np.ndarray | GroupwiseTensor, to: Callable | None, dtype):
+  """One unstacked tensor, on the device in our layout (group-wise ones stay quantized; an
+  embedding's is [K=E, N=V], the tied head's view)."""
+  if isinstance(w, GroupwiseTensor):
+    return w.to_device()
+  return jnp.asarray(_to_layout(w, to), dtype=dtype)
 
 
 def _mlp_tensors(prefix: str, e: int, f: int) -> list:
@@ -133,25 +156,37 @@ def _moe_fetches(c: ModelConfig, get: Callable, t: Callable, plain: Callable,
     router, gate, up, down = ("mlp.gate.weight", "mlp.experts.{}.gate_proj.weight",
                               "mlp.experts.{}.up_proj.weight", "mlp.experts.{}.down_proj.weight")
 
-  def maybe(name: str) -> np.ndarray | None:
+  def maybe(name: str):
     try:
-      return np.asarray(get(name))
+      w = get(name)
     except KeyError:
       return None
+    return w if isinstance(w, GroupwiseTensor) else np.asarray(w)
+
+  def kernel(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """One expert's HF [N, K] weight as our [K, N] float kernel (a per-expert layout stacks
+    experts here, so quantized ones are dequantized; the fused layout keeps them quantized)."""
+    w = t(name, shape)
+    return w.dequantize() if isinstance(w, GroupwiseTensor) else w.T
 
   def experts(i: int) -> dict:
     p = f"model.layers.{i}"
     gate_up = maybe(f"{p}.mlp.experts.gate_up_proj")
     if gate_up is not None:  # fused: gate_up [X, 2F, E] (gate first), down [X, E, F]
-      gate_up = _expect(gate_up, (n, 2 * f, e), f"{p}.mlp.experts.gate_up_proj", source)
+      name = f"{p}.mlp.experts.gate_up_proj"
+      if isinstance(gate_up, GroupwiseTensor):  # [X, E, 2F]: our [X, E, 2, F] flattened
+        return {("router",): t(f"{p}.mlp.gate.weight", (n, e)).T,
+                ("gate_up", "kernel"): _expect(gate_up, (n, e, 2 * f), name, source),
+                ("down", "kernel"): t(f"{p}.mlp.experts.down_proj", (n, e, f))}
+      gate_up = _expect(gate_up, (n, 2 * f, e), name, source)
       return {("router",): t(f"{p}.mlp.gate.weight", (n, e)).T,
               ("gate_up", "kernel"): gate_up.reshape(n, 2, f, e).transpose(0, 3, 1, 2),
               ("down", "kernel"): t(f"{p}.mlp.experts.down_proj", (n, e, f)).transpose(0, 2, 1)}
     return {("router",): t(f"{p}.{router}", (n, e)).T,  # [E, X]
             ("gate_up", "kernel"): np.stack([  # [X, E, 2, F]
-                np.stack([t(f"{p}.{gate.format(x)}", (f, e)).T,
-                          t(f"{p}.{up.format(x)}", (f, e)).T], axis=1) for x in range(n)]),
-            ("down", "kernel"): np.stack([t(f"{p}.{down.format(x)}", (e, f)).T  # [X, F, E]
+                np.stack([kernel(f"{p}.{gate.format(x)}", (f, e)),
+                          kernel(f"{p}.{up.format(x)}", (f, e))], axis=1) for x in range(n)]),
+            ("down", "kernel"): np.stack([kernel(f"{p}.{down.format(x)}", (e, f))  # [X, F, E]
                                           for x in range(n)])}
 
   fetches = [experts]

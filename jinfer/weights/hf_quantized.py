@@ -53,6 +53,18 @@ class QuantScheme:
   source: str  # the file the scheme came from, for errors
 
 
+def is_quantized_dir(path: str) -> bool:
+  """Whether HF directory `path` says it holds a quantized checkpoint (any `quant_method`,
+  supported or not: `quant_scheme` then says why it cannot load)."""
+  try:
+    with open(os.path.join(path, "config.json")) as fh:
+      config = json.load(fh)
+  except (OSError, json.JSONDecodeError):
+    return False  # the plain loader reports a missing or broken config
+  return (isinstance(config, dict) and config.get(_CF) is not None) or os.path.exists(
+      os.path.join(path, "quantize_config.json"))
+
+
 def quant_scheme(path: str) -> QuantScheme:
   """The AWQ/GPTQ scheme of HF directory `path`, from config.json's quantization_config (or an
   AutoGPTQ quantize_config.json beside it), validated."""

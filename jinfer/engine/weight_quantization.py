@@ -1,0 +1,96 @@
+"""The engine's `quantization` option applied to loaded params: which quantizer runs, on which
+weights, calibrated on what.
+
+  None     float weights (or a checkpoint's own quantization: AWQ/GPTQ directories load int4)
+  "int8"   int8 per output channel, float activations (W8A16)
+  "w8a8"   int8 weights and per-token int8 activations, SmoothQuant first unless
+           `quantization_config={"smoothquant": false}`; `{"alpha": a}` sets its strength
+  "int4"   4-bit group-wise (W4A16), `quantization_config={"method": "rtn" | "awq" | "gptq",
+           "group_size": 128, "sym": false}`: the decoder layers' projections take 4 bits, a
+           tied embedding (the LM head too) int8 per channel, as llama.cpp's 4-bit files keep
+           their embedding at 6-8 bits
+  "gguf"   a GGUF file's blocks as stored: the loader keeps them, nothing to do here
+
+Calibration (AWQ, GPTQ, SmoothQuant) runs the float model over the English text shipped with
+`jinfer.quant` and prints its progress and time.
+"""
+from __future__ import annotations
+
+import jax
+
+from jinfer.config import ModelConfig
+from jinfer.errors import ParameterError
+from jinfer.loader import load_model
+from jinfer.models import CausalLM, linear_kernels
+from jinfer.quant.groupwise import GroupwiseArray
+from jinfer.quant.model import METHODS, quantize_model, smooth_model
+from jinfer.quant.qarray import QArray, quantize
+from jinfer.weights.builtin import is_builtin
+
+# quantization -> the quantization_config keys it reads, with their defaults
+CONFIG_KEYS = {"int8": {}, "w8a8": {"smoothquant": True, "alpha": 0.5},
+               "int4": {"method": "rtn", "group_size": 128, "sym": False}, "gguf": {}}
+
+
+def check_config(quantization: str | None, config: dict | None) -> dict:
+  """`quantization_config` with its defaults filled in, or a ParameterError naming the key."""
+  if quantization is None:
+    if config:
+      raise ParameterError("quantization_config", "quantization_config needs a quantization")
+    return {}
+  known = CONFIG_KEYS[quantization]
+  for key in config or {}:
+    if key not in known:
+      raise ParameterError("quantization_config",
+                           f"quantization_config: {key!r} is not an option of quantization="
+                           f"{quantization!r} (options: {', '.join(known) or 'none'})")
+  out = {**known, **(config or {})}
+  if quantization == "int4":
+    if out["method"] not in METHODS:
+      raise ParameterError("quantization_config", f"quantization_config: method must be one of "
+                           f"{', '.join(METHODS)}, got {out['method']!r}")
+    g = out["group_size"]
+    if isinstance(g, bool) or not isinstance(g, int) or g < 2 or g & (g - 1):
+      raise ParameterError("quantization_config", f"quantization_config: group_size must be a "
+                           f"power of two >= 2, got {g!r}")
+  return out
+
+
+def load(model: str, quantization: str | None, quantization_config: dict | None, dtype, *,
+         load_tokenizer: bool = True):
+  """`load_model` for this quantization, its options checked before anything loads: (config,
+  params, tokenizer); "gguf" keeps a GGUF file's blocks quantized."""
+  check_config(quantization, quantization_config)
+  if quantization == "gguf" and not (is_builtin(model) or model.endswith(".gguf")):
+    raise ParameterError("quantization", f"quantization='gguf' keeps a GGUF file's blocks "
+                                         f"quantized; {model!r} is not a .gguf file")
+  return load_model(model, dtype, load_tokenizer=load_tokenizer,
+                    keep_gguf_quantized=quantization == "gguf")
+
+
+def quantize_weights(config: ModelConfig, params: dict, quantization: str | None,
+                     options: dict, *, int8_transposed: bool, tokenizer=None) -> dict:
+  """`params` as `quantization` runs them (`options`: `check_config`'s). Weights a checkpoint
+  brought quantized are left as they are."""
+  if quantization in (None, "gguf"):
+    return params
+  kernels = linear_kernels(config, int8_transposed)
+  calibrate = lambda: dict(model=CausalLM(config), calibration=_calibration(tokenizer))
+  if quantization == "w8a8" and options["smoothquant"]:
+    params = smooth_model(params, linear_kernels(config), alpha=options["alpha"], **calibrate())
+  if quantization == "int4":
+    needs = options["method"] != "rtn"
+    params = quantize_model(params, linear_kernels(config), method=options["method"],
+                            group_size=options["group_size"], sym=options["sym"],
+                            **(calibrate() if needs else {}))
+  # What is still float among the linear kernels goes int8 (for int4: the embedding / head).
+  done = lambda x: isinstance(x, (QArray, GroupwiseArray))
+  return jax.tree.map(lambda w, k: w if k is None or done(w) else quantize(w, *k), params,
+                      kernels, is_leaf=done)
+
+
+def _calibration(tokenizer):
+  if tokenizer is None:
+    raise ParameterError("quantization_config", "calibrating (AWQ, GPTQ, SmoothQuant) needs the "
+                         "model's tokenizer to encode its text")
+  return tokenizer
