@@ -20,6 +20,7 @@ KERNELS = [("pallas_tpu", "tpu"), ("pallas_gpu", "cuda")]
 # Jitted: one compile per shape, not one per op and shape.
 _pack_int4 = jax.jit(pack_int4, static_argnums=1)
 _unpack_int4 = jax.jit(unpack_int4, static_argnums=1)
+_dequantize = jax.jit(dequantize, static_argnames=("bits", "group_size"))
 
 
 def _np_pack(qv: np.ndarray, g: int) -> np.ndarray:
@@ -95,7 +96,7 @@ def test_dequantize_is_the_spec(bits):
   """With a leading (expert) axis, as stacked weights have."""
   per = [_operands(1, 64, 24, 16, bits, jnp.float32, seed=s) for s in range(3)]
   q, scale, offset = (jnp.stack([p[0][i] for p in per]) for i in (1, 2, 3))
-  got = dequantize(q, scale, offset, bits=bits, group_size=16)
+  got = _dequantize(q, scale, offset, bits=bits, group_size=16)
   np.testing.assert_allclose(np.asarray(got), np.stack([p[1] for p in per]), rtol=1e-6,
                              atol=1e-7)
 
@@ -132,10 +133,11 @@ def test_xla_one_row_int4_error_bound():
   assert (err <= bound * 1.01 + 1e-5).all() and err.max() > 0  # not float activations
 
 
-# (M, K, N, g, bits, dtype, blocks): M never a multiple of the M tile; K and N off the tiles.
+# (M, K, N, g, bits, dtype, blocks): M never a multiple of the M tile; N off the tiles.
 FAST = [
-    # 3 M tiles, 3 N tiles, 5 K steps of 2 groups (TPU) / 10 of 1 (GPU), K and N padded.
-    (37, 640, 300, 64, 4, "bfloat16", dict(block_m=16, block_n=128, block_k=256)),
+    # 3 M tiles, 3 N tiles; K in 5 steps of 2 groups, padded by one (TPU: K tiles are whole
+    # lanes), or in 9 steps of 1 (GPU).
+    (37, 576, 300, 64, 4, "bfloat16", dict(block_m=16, block_n=128, block_k=256)),
     # Decode-sized M, K in one tile, 3 groups.
     (1, 96, 200, 32, 8, "float32", {}),
 ]
@@ -160,10 +162,11 @@ def test_kernel_matches_oracle(backend, case):
     # out-of-bounds reads and uninitialized (NaN-filled) scratch, where True clamps silently;
     # two simulated cores split the parallel grid axes.
     interpret = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
-    pltpu.reset_tpu_interpret_mode_state()
-  _check(backend, *shape, interpret=interpret, **blocks)
-  if not isinstance(interpret, bool):
-    assert not tpu_interpret.races.races_found
+  pltpu.reset_tpu_interpret_mode_state()
+  try:
+    _check(backend, *shape, interpret=interpret, **blocks)
+    assert interpret is True or not tpu_interpret.races.races_found
+  finally:
     pltpu.reset_tpu_interpret_mode_state()
 
 

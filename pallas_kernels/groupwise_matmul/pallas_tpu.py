@@ -5,10 +5,11 @@ holds whole groups, so each step reads its groups' scales and offsets as one [bk
 (the [K/g, N] arrays are viewed as [K/bk, bk/g, N] outside, which makes that block the full
 extent of its last two axes: no 8-row tiling constraint on bk/g). The packed weight tile is
 widened to int32 once, and each group is unpacked with a mask and a shift into its two halves
-(rows j and j + g/2 of the group: static, tile-aligned slices for g/2 a multiple of 8),
-dequantized in f32 with its scale and offset row, and stored in the activation dtype into a
-[bk, bn] VMEM tile in natural row order. One MXU dot of the activation tile with it then adds
-into the accumulator: HBM traffic is the packed weights, the MXU sees a full-depth contraction.
+(rows j and j + g/2 of the group), dequantized in f32 with its scale and offset row, and stored
+in the activation dtype into a [bk, bn] VMEM tile in natural row order. Those slices and stores
+are static and start on whole (8, 128) f32 / (16, 128) bf16 tiles for groups of 32 and up. One
+MXU dot of the activation tile with it then adds into the accumulator: HBM traffic is the packed
+weights, the MXU sees a full-depth contraction.
 
 Packed bytes come in as int8 (a free bitcast outside): Mosaic's unsigned-integer support is
 thin, and sign extension followed by `& 15` and `(>> 4) & 15` gives the same nibbles.
