@@ -207,10 +207,12 @@ def test_compiled_on_device(backend, platform, bits):
 
 
 def test_default_backend_is_picked_when_traced():
+  """And an interpret flag meant for the Pallas kernels passes through the XLA path unused."""
   want = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu"}[jax.default_backend()]
   assert default_backend() == want
   args, _ = _operands(3, 64, 16, 32, 4, jnp.float32)
-  got = jax.jit(lambda *a: groupwise_matmul(*a, bits=4, group_size=32))(*args)
+  got = jax.jit(lambda *a: groupwise_matmul(*a, bits=4, group_size=32,
+                                            interpret=want == "xla"))(*args)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(
       lambda *a: groupwise_matmul(*a, bits=4, group_size=32, backend=want))(*args)))
 

@@ -75,8 +75,10 @@ def groupwise_matmul(
 
   `backend` None: the platform's default when traced (`default_backend`). `interpret` runs a
   Pallas backend in interpret mode (True, or `pltpu.InterpretParams` for pallas_tpu) so it works
-  on the CPU; `block_sizes` (block_m, block_n, block_k, and num_warps / num_stages for
-  pallas_gpu) go to the Pallas kernel. M, K and N need not be multiples of the blocks.
+  on the CPU; the XLA backends ignore it (as attention's and grouped_matmul's do, so one kernel
+  option serves every op). `block_sizes` (block_m, block_n, block_k, and num_warps /
+  num_stages for pallas_gpu) go to the Pallas kernel. M, K and N need not be multiples of the
+  blocks.
   """
   backend = backend or default_backend()
   if backend not in _IMPLS:
@@ -84,7 +86,7 @@ def groupwise_matmul(
   _check(x, q, scale, offset, bits, group_size)
   kw = dict(bits=bits, group_size=group_size)
   if backend in ("reference", "xla"):
-    if block_sizes or interpret:
-      raise ValueError(f"the {backend} backend takes no block sizes and no interpret mode")
+    if block_sizes:
+      raise ValueError(f"the {backend} backend takes no block sizes, got {sorted(block_sizes)}")
     return _IMPLS[backend](x, q, scale, offset, **kw)
   return _IMPLS[backend](x, q, scale, offset, interpret=interpret, **kw, **block_sizes)
