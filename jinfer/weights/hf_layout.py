@@ -83,12 +83,20 @@ def hf_to_params(config: ModelConfig, get: Callable[[str], np.ndarray], *, dtype
       arrays: dict[tuple[str, ...], np.ndarray | list[GroupwiseTensor]] = {}
       for j, i in enumerate(layer_ids):
         for path, w in fetch(i).items():
-          if isinstance(w, GroupwiseTensor):
+          a = arrays.get(path)
+          if isinstance(w, GroupwiseTensor) and not isinstance(a, np.ndarray):
             arrays.setdefault(path, []).append(w)
             continue
-          if path not in arrays:
+          # A float layer among group-wise ones (a GGUF file may store a few layers as F16):
+          # the stack is float, the group-wise layers dequantized into it exactly.
+          if isinstance(a, list):
             arrays[path] = np.empty((len(layer_ids),) + w.shape, host)
-          arrays[path][j] = w
+            for k, g in enumerate(a):
+              arrays[path][k] = g.dequantize().reshape(w.shape)
+          elif a is None:
+            arrays[path] = np.empty((len(layer_ids),) + w.shape, host)
+          a = arrays[path]
+          a[j] = w.dequantize().reshape(a.shape[1:]) if isinstance(w, GroupwiseTensor) else w
       for path, a in arrays.items():
         node = tree
         for key in (prefix + path)[:-1]:
