@@ -125,3 +125,26 @@ def test_dense_model_reports_no_expert_load():
   eng = make_engine((config, params, None), warmup=False, max_model_len=64, max_num_seqs=2,
                     max_num_batched_tokens=16, compilation_cache=False)
   assert eng.stats().expert_load is None
+
+
+@pytest.mark.slow
+def test_int4_experts_run_their_own_weights_exactly(loaded):
+  """Mixed dense and MoE layers, experts 4-bit group-wise through the grouped matmul: the same
+  tokens as a float engine over the int4 weights dequantized."""
+  from jinfer.engine.engine import LLMEngine
+  from jinfer.engine.engine_config import EngineConfig
+  from jinfer.engine.weight_quantization import check_config, quantize_weights
+  from jinfer.quant.groupwise import GroupwiseArray
+  from tests.test_quantized_engine import _float_like
+  config, params, _ = loaded
+  qc = {"method": "rtn", "group_size": 32}
+  q = quantize_weights(config, params, "int4", check_config("int4", qc), int8_transposed=False)
+  is_gw = lambda x: isinstance(x, GroupwiseArray)
+  assert sum(map(is_gw, jax.tree.leaves(q["moe_layers"], is_leaf=is_gw))) == 2  # gate_up, down
+  options = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
+  got = make_engine(loaded, warmup=False, quantization="int4", quantization_config=qc, **options)
+  want = LLMEngine.from_parts(config, _float_like(q, params), None, warmup=False,
+                              config=EngineConfig.of(**options))
+  prompts = _prompts(4, seed=5, hi=40)
+  sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+  assert run_tokens(got, prompts, sp) == run_tokens(want, prompts, sp)

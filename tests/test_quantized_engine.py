@@ -185,10 +185,10 @@ def _perplexity(llm: LLM, ids: list[int]) -> float:
 @pytest.mark.slow
 def test_smollm2_quantized_modes_answer_and_fit():
   """Every weight mode answers the question; weights within the targets' fractions of float32;
-  GGUF kept runs its blocks as the dequantized model does (perplexity on 1k tokens of a fixed
-  English text within 0.2%)."""
+  GGUF kept runs its blocks as the dequantized model does (perplexity on 512 tokens of a fixed
+  English text within 0.2%; the quality report measures 1k tokens of three)."""
   question = [{"role": "user", "content": "What is the capital of France?"}]
-  options = dict(max_model_len=1100, max_num_seqs=2, max_num_batched_tokens=256, warmup=False,
+  options = dict(max_model_len=600, max_num_seqs=2, max_num_batched_tokens=256, warmup=False,
                  enable_prompt_logprobs=True)
   limits = {None: 1.0, "int8": 0.30, "int4": 0.18, "gguf": 0.22}
   ppl, size = {}, {}
@@ -200,6 +200,6 @@ def test_smollm2_quantized_modes_answer_and_fit():
     assert "Paris" in answer, (mode, answer)
     assert size[mode] <= limit * size[None], (mode, size[mode] / size[None])
     if mode in (None, "gguf"):
-      ppl[mode] = _perplexity(llm, llm.tokenizer.encode(topics["assignment"])[:1024])
+      ppl[mode] = _perplexity(llm, llm.tokenizer.encode(topics["assignment"])[:512])
   print({m: round(s / size[None], 3) for m, s in size.items()}, ppl)
   assert abs(ppl["gguf"] / ppl[None] - 1) <= 0.002

@@ -57,6 +57,8 @@ NO_WINDOW = 1 << 30  # a per-layer window that never excludes a key
 # A quantized tied LM head keeps float activations even under W8A8: rounding the final hidden
 # state per token cost W8A8 another point of perplexity on the pydoc text (+5.4% vs +4.4%).
 HEAD_MODE = "w8a16"
+# Quantizations whose float-shaped kernels become `QArray`s: int4 keeps the LM head int8.
+INT8_KERNELS = ("int8", "w8a8", "int4")
 
 
 class Linear(nn.Module):
@@ -77,7 +79,7 @@ class Linear(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     out_shape = self.shape[self.n_in:]
     n_out = len(out_shape)
-    if self.kernels.quantization in ("int8", "w8a8"):
+    if self.kernels.quantization in INT8_KERNELS:
       flip = self.kernels.int8_transposed
       init = lambda _, shape, dtype: QArray(
           values=jnp.zeros(out_shape + shape[:self.n_in] if flip else shape, jnp.int8),
@@ -241,7 +243,7 @@ def _stacked(mod: nn.Module, name: str, n: int, module: nn.Module, *args) -> dic
     boxes = jax.lax.map(lambda r: module.init(r, *args)["params"], jax.random.split(rng, n))
     return jax.tree.map(lambda b: b.replace(names=("layers",) + b.names), boxes,
                         is_leaf=_is_box)
-  return mod.param(name, init)
+  return _kernel(mod, name, init)
 
 
 class CausalLM(nn.Module):
@@ -345,7 +347,7 @@ def lm_head(params: dict, config: ModelConfig, kernels: KernelOptions, x: jax.Ar
 
 
 def _embedding_init(kernels: KernelOptions, key, shape, dtype):
-  if kernels.quantization in ("int8", "w8a8"):
+  if kernels.quantization in INT8_KERNELS:
     return QArray(values=jnp.zeros(shape, jnp.int8), scale=jnp.ones(shape[:1], jnp.float32),
                   n_in=1, n_out=1, transposed=True)
   return _init(key, shape, dtype)

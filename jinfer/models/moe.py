@@ -45,7 +45,7 @@ class Experts(nn.Module):
   def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
     g, k, out_shape = self.shape[0], self.shape[1], self.shape[2:]
     kn = self.kernels
-    if kn.quantization in ("int8", "w8a8"):  # per expert and output channel scales
+    if kn.quantization in ("int8", "w8a8"):  # per expert and output channel scales (int4: below)
       init = lambda _, shape, dtype: QArray(values=jnp.zeros(shape, jnp.int8),
                                             scale=jnp.ones((g,) + out_shape, jnp.float32),
                                             n_in=1, n_out=len(out_shape))
@@ -58,10 +58,10 @@ class Experts(nn.Module):
 
     def matmul(x, w, group_sizes):  # w: [G, K, *out] for G of the experts
       g = group_sizes.shape[0]
-      if isinstance(w, GroupwiseArray):
-        # Stored 4-bit; the grouped matmul takes float or int8 experts, so the step widens the
-        # experts it runs to the activations' dtype first (a transient copy, not a resident one).
-        w = w.dequantize().astype(x.dtype)
+      if isinstance(w, GroupwiseArray):  # [G, K(/2), N] with its group-wise scale and offset
+        return grouped_matmul(x, w.q, group_sizes, w.scale, w.offset, bits=w.bits,
+                              quant_group_size=w.group_size, backend=kn.grouped_matmul,
+                              interpret=kn.interpret)
       if isinstance(w, QArray):
         return grouped_matmul(x, w.values.reshape(g, k, n), group_sizes, w.scale.reshape(g, n),
                               mode=kn.matmul_mode, backend=kn.grouped_matmul,

@@ -24,13 +24,14 @@ class LinearKernel(nn.LogicallyPartitioned):
 
 
 def kernel(mod: nn.Module, name: str, init, *args):
-  """A linear kernel param: `mod.param(name, init, *args)`, except that a group-wise quantized
-  kernel is taken as stored. Its shapes (bits, group size, packing) come from its checkpoint or
+  """`mod.param(name, init, *args)`, except that params holding a group-wise quantized kernel
+  are taken as stored. Their shapes (bits, group size, packing) come from the checkpoint or the
   quantizer, not from the layer, so flax's check of the stored shapes against `init`'s does not
-  apply; the group-wise matmul checks them against the input instead."""
+  apply; the group-wise matmuls check them against their input instead."""
   if mod.has_variable("params", name):
     stored = mod.get_variable("params", name)
-    if isinstance(stored, GroupwiseArray):
+    is_gw = lambda x: isinstance(x, GroupwiseArray)
+    if any(map(is_gw, jax.tree.leaves(stored, is_leaf=is_gw))):
       return stored
   return mod.param(name, init, *args)
 

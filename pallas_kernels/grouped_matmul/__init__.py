@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from pallas_kernels.grouped_matmul.pallas_tpu import grouped_matmul_tpu
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
 from pallas_kernels.grouped_matmul.xla import grouped_matmul_xla
-from pallas_kernels.groupwise_matmul.packing import BITS
+from pallas_kernels.groupwise_matmul.packing import BITS, dequantize
 
 _IMPLS = {
     "ragged_dot": grouped_matmul_reference,
@@ -87,7 +87,12 @@ def grouped_matmul(
     if scale is not None and scale.shape != (rhs.shape[0], rhs.shape[2]):
       raise ValueError(f"scale has shape {scale.shape}, expected {(rhs.shape[0], rhs.shape[2])}")
   kw = dict(mode=mode, **block_sizes)
-  if quant_group_size is not None:
+  if quant_group_size is not None and backend == "pallas_tpu":
+    # The Mosaic kernel takes float or per-channel int8 experts: group-wise ones are widened
+    # to the activations' dtype first (a transient copy per call), until it reads them itself.
+    rhs = dequantize(rhs, scale, offset, bits=bits, group_size=quant_group_size).astype(lhs.dtype)
+    scale = None
+  elif quant_group_size is not None:
     kw.update(offset=offset, bits=bits, quant_group_size=quant_group_size)
   if backend == "pallas_tpu":
     kw["interpret"] = interpret
@@ -96,8 +101,6 @@ def grouped_matmul(
 
 def _check_groupwise(lhs, rhs, group_sizes, scale, offset, bits: int, qg: int, mode: str,
                      backend: str) -> None:
-  if backend == "pallas_tpu":
-    raise ValueError("group-wise quantized weights run on the ragged_dot and xla backends only")
   if mode != "w8a16":
     raise ValueError(f"group-wise weights keep activations float; mode {mode!r} does not apply")
   if bits not in BITS:
