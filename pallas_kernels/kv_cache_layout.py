@@ -7,6 +7,23 @@ layer writes its new K/V in place and the kernels read pages straight out of it 
 contiguous `[page_size, head_dim]` tile, so a kernel DMAs it with a plain (unstrided) copy and
 the interpreter's no-strided-load limit never bites. Page 0 is the sink: padding tokens write
 there and no block table entry ever reads it.
+
+Quantized caches (vLLM's `kv_cache_dtype` "int8" and "fp8") are a `QuantizedKVCache`, one pytree
+of two arrays carried and donated together:
+  values  [L, num_pages, 2, Hkv, page_size, D]  int8 or float8_e4m3fn, the layout above;
+  scales  [L, num_pages, 2, Hkv, page_size]     float32, the same layout less head_dim.
+Each token's K (and V) of each KV head is scaled by its own absmax over head_dim (symmetric:
+int8 in [-127, 127], fp8 in [-448, 448]), so `K = values * scales[..., None]`. Why this way:
+  * a token's scale depends on that token alone: writing a row never rescales rows written before,
+    a page is final once written (prefix caching shares it as is), and results do not depend on
+    what else is in the batch;
+  * the scales of a page sit beside its values at the same `[layer, page]` index, so a kernel
+    fetches a page with two plain DMAs (values, then its `[2, Hkv, page_size]` scales), and a
+    row gather in the GPU kernel indexes both arrays with the same row number;
+  * a separate array keeps the value tiles' lanes exactly head_dim wide: scales packed into the
+    values' last axis would need in-kernel bitcasts and break the lane alignment.
+Cost per token and head: D value bytes + 4 scale bytes for K and V each (head_dim 64: 68 bytes
+against 128 in bfloat16 and 256 in float32).
 """
 from __future__ import annotations
 
@@ -14,8 +31,58 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 SINK_PAGE = 0
+SCALE_DTYPE = jnp.float32
+# The largest magnitude each quantized dtype stores: a row's absmax maps onto it.
+QUANTIZED_MAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+@struct.dataclass
+class QuantizedKVCache:
+  """A quantized KV cache (see the module docstring): K/V = values * scales[..., None]."""
+  values: jax.Array  # [L, num_pages, 2, Hkv, page_size, D] int8 or float8_e4m3fn
+  scales: jax.Array  # [L, num_pages, 2, Hkv, page_size] float32
+
+  @property
+  def nbytes(self) -> int:
+    return self.values.nbytes + self.scales.nbytes
+
+  def is_deleted(self) -> bool:
+    return self.values.is_deleted() or self.scales.is_deleted()
+
+
+KVCache = jax.Array | QuantizedKVCache
+
+
+def is_quantized_dtype(dtype) -> bool:
+  return jnp.dtype(dtype) in QUANTIZED_MAX
+
+
+def split_cache(cache: KVCache) -> tuple[jax.Array, jax.Array | None]:
+  """(values, scales), scales None for a cache that stores K/V as they are."""
+  if isinstance(cache, QuantizedKVCache):
+    return cache.values, cache.scales
+  return cache, None
+
+
+def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+  """x [..., D] -> (values [..., D] of `dtype`, scales [...] float32), one scale per row."""
+  qmax = QUANTIZED_MAX[jnp.dtype(dtype)]
+  x = x.astype(jnp.float32)
+  scale = jnp.max(jnp.abs(x), axis=-1) / qmax  # [...]; 0 for an all-zero row
+  y = jnp.clip(x / jnp.where(scale > 0, scale, 1.0)[..., None], -qmax, qmax)
+  if jnp.issubdtype(dtype, jnp.integer):
+    y = jnp.round(y)
+  # Clipped first: a quotient a rounding step past the largest float8 would convert to NaN.
+  return y.astype(dtype), scale.astype(SCALE_DTYPE)
+
+
+def dequantize(values: jax.Array, scales: jax.Array | None, dtype=jnp.float32) -> jax.Array:
+  """values [..., D], scales [...] (None: unquantized) -> [..., D] of `dtype`."""
+  x = values.astype(jnp.float32 if scales is not None else dtype)
+  return x if scales is None else (x * scales[..., None]).astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,7 +92,12 @@ class KVCacheSpec:
   page_size: int
   num_kv_heads: int
   head_dim: int
+  # What the cache stores: the model's float dtype, or int8 / float8_e4m3fn with scales.
   dtype: jnp.dtype = jnp.float32
+
+  @property
+  def quantized(self) -> bool:
+    return is_quantized_dtype(self.dtype)
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -33,37 +105,56 @@ class KVCacheSpec:
 
   @property
   def bytes_per_token(self) -> int:
-    return 2 * self.num_layers * self.num_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+    """K and V of one token over every layer and KV head, scales included."""
+    row = self.head_dim * jnp.dtype(self.dtype).itemsize
+    if self.quantized:
+      row += jnp.dtype(SCALE_DTYPE).itemsize
+    return 2 * self.num_layers * self.num_kv_heads * row
 
   @property
   def nbytes(self) -> int:
     return self.num_pages * self.page_size * self.bytes_per_token
 
-  def allocate(self) -> jax.Array:
-    return jnp.zeros(self.shape, self.dtype)
+  def allocate(self) -> KVCache:
+    if not self.quantized:
+      return jnp.zeros(self.shape, self.dtype)
+    return QuantizedKVCache(values=jnp.zeros(self.shape, self.dtype),
+                            scales=jnp.zeros(self.shape[:-1], SCALE_DTYPE))
 
 
-def write_kv(cache: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array) -> jax.Array:
-  """Scatter one layer's new K/V rows into their slots, in place when the cache is donated.
+def write_kv(cache: KVCache, layer: jax.Array | int, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> KVCache:
+  """Scatter one layer's new K/V rows into their slots (quantized first if the cache is), in
+  place when the cache is donated.
 
-  cache: [L, num_pages, 2, Hkv, page_size, D]; layer: scalar (traced under a layer scan);
+  cache: see the module docstring; layer: scalar (traced under a layer scan);
   k, v: [T, Hkv, D]; slot_mapping: [T] int32 with slot = page * page_size + offset (padding rows
   point into the sink page).
   """
-  page_size = cache.shape[4]
+  values, scales = split_cache(cache)
+  page_size = values.shape[4]
   pages = slot_mapping // page_size  # [T]
   offs = slot_mapping % page_size  # [T]
-  kv = jnp.stack([k, v], axis=1).astype(cache.dtype)  # [T, 2, Hkv, D]
+  kv = jnp.stack([k, v], axis=1)  # [T, 2, Hkv, D]
   # The advanced indices (layer, pages, offs) broadcast to [T] and are separated by slices, so
-  # the indexed result is laid out [T, 2, Hkv, D], matching kv.
-  return cache.at[layer, pages, :, :, offs, :].set(kv, mode="drop", unique_indices=False)
+  # the indexed result is laid out [T, 2, Hkv, D] (scales: [T, 2, Hkv]), matching kv.
+  at = (layer, pages, slice(None), slice(None), offs)
+  if scales is None:
+    return values.at[at].set(kv.astype(values.dtype), mode="drop", unique_indices=False)
+  kv, kv_scales = quantize(kv, values.dtype)
+  return QuantizedKVCache(
+      values=values.at[at].set(kv, mode="drop", unique_indices=False),
+      scales=scales.at[at].set(kv_scales, mode="drop", unique_indices=False))
 
 
-def copy_slots(cache: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-  """Copy every layer's K/V from slots `src` to slots `dst` [N] (all read before any is
-  written; a negative `dst` copies nothing). In place when the cache is donated."""
-  page_size = cache.shape[4]
-  kv = cache[:, src // page_size, :, :, src % page_size, :]  # [N, L, 2, Hkv, D]
-  pages = jnp.where(dst >= 0, dst // page_size, cache.shape[1])  # out of range: dropped
-  return cache.at[:, pages, :, :, dst % page_size, :].set(kv, mode="drop")
+def copy_slots(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+  """Copy every layer's K/V (and scales) from slots `src` to slots `dst` [N] (all read before
+  any is written; a negative `dst` copies nothing). In place when the cache is donated."""
+
+  def copy(x):  # values [L, P, 2, Hkv, ps, D] or scales [L, P, 2, Hkv, ps]
+    page_size = x.shape[4]
+    rows = x[:, src // page_size, :, :, src % page_size]  # [N, L, 2, Hkv(, D)]
+    pages = jnp.where(dst >= 0, dst // page_size, x.shape[1])  # out of range: dropped
+    return x.at[:, pages, :, :, dst % page_size].set(rows, mode="drop")
+
+  return jax.tree.map(copy, cache)

@@ -33,6 +33,9 @@ PLATFORM_DEFAULTS = {  # backend -> (attention, int8 matmul, grouped matmul)
 }
 CPU_DEFAULTS = ("xla", "xla", "xla")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+# What a quantized KV cache stores (with a float32 scale per token and KV head, see
+# pallas_kernels/kv_cache_layout.py); "auto" stores the model's dtype.
+KV_STORAGE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -171,9 +174,9 @@ class EngineConfig:
     platform decides filled in, every file named checked, `max_model_len` capped by the model's.
     """
     platform = platform or jax.default_backend()
-    if self.cache.kv_cache_dtype != "auto":
-      raise ParameterError("kv_cache_dtype", f"kv_cache_dtype={self.cache.kv_cache_dtype!r} is "
-                                             f"not implemented yet")
+    if self.cache.kv_cache_dtype == "fp8" and platform == "tpu":
+      raise ParameterError("kv_cache_dtype", "kv_cache_dtype='fp8' runs on the CPU and GPU; the "
+                           "TPU attention kernel is not verified on float8 pages: use 'int8'")
     max_len = min(self.model.max_model_len, model.max_position_embeddings)
     config = dataclasses.replace(
         self, model=dataclasses.replace(self.model, max_model_len=max_len),
@@ -243,10 +246,15 @@ class ResolvedConfig:
       return k.max_unrolled_tokens
     return self.buckets().pick(1 + self.num_draft_rows)
 
+  @property
+  def kv_dtype(self):
+    """What the KV cache stores: the model's dtype, or int8 / float8_e4m3fn (with scales)."""
+    return KV_STORAGE_DTYPES.get(self.cache.kv_cache_dtype, self.dtype)
+
   def kv_spec(self, model: ModelConfig) -> KVCacheSpec:
     return KVCacheSpec(num_layers=model.num_layers, num_pages=self.num_pages,
                        page_size=self.cache.page_size, num_kv_heads=model.num_kv_heads,
-                       head_dim=model.head_dim, dtype=self.dtype)
+                       head_dim=model.head_dim, dtype=self.kv_dtype)
 
   def kernel_options(self, mesh: Mesh | None = None) -> KernelOptions:
     """`mesh`: the devices the model runs over, None for one device."""

@@ -140,7 +140,8 @@ class ModelRunner:
     out_shardings = None
     if mesh is not None:
       params = sharding.shard_params(params, logical_axes(config), mesh, expert_parallel)
-      out_shardings = (NamedSharding(mesh, P()), sharding.kv_cache_sharding(mesh))
+      out_shardings = (NamedSharding(mesh, P()),
+                       sharding.kv_cache_sharding(mesh, spec.quantized))
       # Sharded params run the scanned stack only: the CPU's per-layer views are single-device
       # arrays that would drop the sharding, and off the CPU the scan reads its weights in
       # place anyway, so an unrolled variant would only add compiles.
@@ -161,8 +162,9 @@ class ModelRunner:
     self.model, self.params = self._main.model, self._main.params
     self._small = (variant(False) if scanned and buckets.token_buckets[0] <= unrolled_max_tokens
                    else None)
+    # An array, or values and scales (`QuantizedKVCache`) for an int8 / fp8 cache.
     self._allocate = jax.jit(spec.allocate, out_shardings=None if mesh is None
-                             else sharding.kv_cache_sharding(mesh))
+                             else sharding.kv_cache_sharding(mesh, spec.quantized))
     self.kv_cache = self._allocate()
     self.cache_resets = 0  # times a failed step consumed the cache and it was rebuilt empty
     self._shapes_run: set[tuple[int, bool, bool]] = set()

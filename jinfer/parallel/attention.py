@@ -13,6 +13,8 @@ On one device it is `write_kv` then `ragged_paged_attention`. On a mesh it runs 
     running output and log-sum-exp; after CP hops every block has met every page and is home,
     its partial results merged exactly (`merge_attention`). The KV stays where it is: pages are
     far larger than a step's queries.
+A quantized cache (int8 / fp8 values and their scales) is split the same way, each scale on the
+rank and tensor shard of its values; every rank quantizes the rows it writes.
 """
 from __future__ import annotations
 
@@ -21,16 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jinfer.parallel.sharding import KV_CACHE_SPEC
-from pallas_kernels import (AttentionMetadata, merge_attention, ragged_paged_attention,
-                            write_kv)
+from jinfer.parallel.sharding import kv_cache_specs
+from pallas_kernels import (AttentionMetadata, QuantizedKVCache, merge_attention,
+                            ragged_paged_attention, write_kv)
+from pallas_kernels.kv_cache_layout import KVCache
 
 
 def paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
-    kv_cache: jax.Array,  # [L, num_pages, 2, Hkv, page_size, D]
+    kv_cache: KVCache,  # [L, num_pages, 2, Hkv, page_size, D], see kv_cache_layout.py
     md: AttentionMetadata,
     *,
     layer: jax.Array,
@@ -64,9 +67,9 @@ def paged_attention(
   def body(q, k, v, cache, md, layer, window):
     # Shapes are per shard: q [T/CP, Hq/TP, D] (this rank's chunks), k, v [T, Hkv/TP, D].
     rank = jax.lax.axis_index("context")
-    per_rank = cache.shape[1]  # pages on each rank
-    cache = write_kv(cache, layer, k, v, _local_slots(md.slot_mapping, rank, per_rank,
-                                                      cache.shape[4]))
+    shape = jax.tree.leaves(cache)[0].shape  # [L, pages on this rank, 2, Hkv/TP, ps, D]
+    per_rank = shape[1]
+    cache = write_kv(cache, layer, k, v, _local_slots(md.slot_mapping, rank, per_rank, shape[4]))
     table = jnp.where(md.block_table // per_rank == rank, md.block_table % per_rank, -1)
     table = jnp.where(md.block_table < 0, -1, table)
     qs = q.reshape((chunks.shape[1], size) + q.shape[1:])  # [n, C, Hq/TP, D]
@@ -87,10 +90,11 @@ def paged_attention(
     _, o, _ = jax.lax.fori_loop(0, cp, hop, (qs, o0, lse0))
     return o.reshape(q.shape).astype(q.dtype), cache
 
+  cache_specs = kv_cache_specs(isinstance(kv_cache, QuantizedKVCache))
   o, kv_cache = jax.shard_map(
       body, mesh=mesh,
-      in_specs=(P("context", "tensor", None), heads, heads, KV_CACHE_SPEC, P(), P(), P()),
-      out_specs=(P("context", "tensor", None), KV_CACHE_SPEC), check_vma=False,
+      in_specs=(P("context", "tensor", None), heads, heads, cache_specs, P(), P(), P()),
+      out_specs=(P("context", "tensor", None), cache_specs), check_vma=False,
   )(q[rows], k, v, kv_cache, md, layer, sliding_window)
   return o[np.argsort(rows)], kv_cache
 

@@ -12,8 +12,9 @@ Params carry logical axis names (`jinfer.models.logical_axes`); `RULES` maps the
 
 A mesh axis is used once per array: the first logical axis that maps to it wins (so with expert
 parallelism an expert's MLP columns stay whole). The KV cache shards its pages over `context`
-and its KV heads over `tensor`. Where `num_kv_heads < TP` each KV head is duplicated
-`TP / num_kv_heads` times (as vLLM does) so every tensor shard holds the one its query heads use.
+and its KV heads over `tensor` (a quantized cache's scales likewise). Where `num_kv_heads < TP`
+each KV head is duplicated `TP / num_kv_heads` times (as vLLM does) so every tensor shard holds
+the one its query heads use.
 """
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jinfer.config import ModelConfig
 from jinfer.quant.qarray import QArray
+from pallas_kernels import QuantizedKVCache
 
 RULES = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 KV_CACHE_SPEC = P(None, "context", None, "tensor", None, None)
+# A quantized cache's scales: its values' layout less head_dim (pallas_kernels/kv_cache_layout.py).
+KV_SCALES_SPEC = P(None, "context", None, "tensor", None)
 
 
 def valid_tensor_parallel_sizes(config: ModelConfig, limit: int = 64) -> list[int]:
@@ -105,7 +109,15 @@ def shard_params(params: dict, axes: dict, mesh: Mesh, expert_parallel: bool = F
   return jax.tree.map(put, params, shardings, is_leaf=lambda x: isinstance(x, QArray))
 
 
-def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+def kv_cache_specs(quantized: bool = False) -> P | QuantizedKVCache:
+  """The partition spec of the KV cache: one, or the values' and the scales' of a quantized one."""
+  return QuantizedKVCache(KV_CACHE_SPEC, KV_SCALES_SPEC) if quantized else KV_CACHE_SPEC
+
+
+def kv_cache_sharding(mesh: Mesh, quantized: bool = False) -> NamedSharding | QuantizedKVCache:
+  if quantized:
+    return QuantizedKVCache(NamedSharding(mesh, KV_CACHE_SPEC),
+                            NamedSharding(mesh, KV_SCALES_SPEC))
   return NamedSharding(mesh, KV_CACHE_SPEC)
 
 

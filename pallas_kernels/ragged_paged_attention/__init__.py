@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.kv_cache_layout import KVCache
 from pallas_kernels.ragged_paged_attention.pallas_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention.pallas_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
@@ -38,7 +39,7 @@ def default_backend() -> str:
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    kv_cache: jax.Array,  # [L, num_pages, 2, Hkv, page_size, D]
+    kv_cache: KVCache,  # [L, num_pages, 2, Hkv, page_size, D], see kv_cache_layout.py
     md: AttentionMetadata,
     *,
     layer: jax.Array | int = 0,
@@ -55,6 +56,8 @@ def ragged_paged_attention(
   """Attention of a flat ragged batch of queries over layer `layer` of a paged KV cache, by the
   rules of `AttentionMetadata` (row classes, tree mask, absent pages).
 
+  `kv_cache` is an array of K/V as they are, or a `QuantizedKVCache` (int8 / fp8 values with a
+  scale per token and KV head) that every backend dequantizes as it reads.
   `layer` and `sliding_window` may be traced (a layer scan passes them per layer); a window
   wider than any sequence means none. With `return_softmax_state` the row log-sum-exp comes
   too, so results over disjoint pages merge with `merge_attention`.

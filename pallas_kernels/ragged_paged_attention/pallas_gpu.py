@@ -37,6 +37,13 @@ The rest of the contract (`AttentionMetadata`):
 - With `return_softmax_state`, a second output `[Hkv, T*G]` f32 holds each row's m + log(l),
   -inf for rows that saw no key (it is aliased with -inf, as the output is with zeros, so rows no
   program owns keep that).
+
+A quantized cache (`kv_cache_layout.QuantizedKVCache`: int8 or fp8 values, a float32 scale per
+token and KV head) is viewed the same way, its scales as `[L*num_pages*2*Hkv*page_size]`: a key's
+scale sits at its value row's index, so one more masked gather of `[BK]` scales per block brings
+them. The block is dequantized in registers by folding the row scales into the products: K's
+scales multiply the score columns, V's the probability columns before p @ v (the values convert
+to the query dtype exactly), which costs `[R, BK]` multiplies instead of `[BK, D]` ones.
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.kv_cache_layout import KVCache, split_cache
 from pallas_kernels.ragged_paged_attention.schedule import (sanitize_cu_q_lens, seq_q_blocks,
                                                             tree_rows, window_operand)
 
@@ -63,8 +71,8 @@ def _kernel(
     cu_q_lens_ref,  # [S+1]
     scalars_ref,  # [2]: layer, sliding window (see `schedule.window_operand`)
     q_ref,  # [Hkv, (T+pad)*G, D]
-    kv_ref,  # [L*num_pages*2*Hkv*page_size, D]: the cache viewed as rows
-    *refs,  # [tree_ref], o_in_ref, [lse_in_ref], o_ref, [lse_ref]
+    kv_ref,  # [L*num_pages*2*Hkv*page_size, D]: the cache (its values) viewed as rows
+    *refs,  # [scales_ref], [tree_ref], o_in_ref, [lse_in_ref], o_ref, [lse_ref]
     block_q: int,
     rows: int,
     group: int,
@@ -81,9 +89,11 @@ def _kernel(
     soft_cap: float | None,
     k_scale: float | None,
     v_scale: float | None,
+    quantized: bool,
 ):
   # Outputs are aliased with their initial values (o 0, lse -inf): rows no program owns keep them.
   refs = list(refs)
+  scales_ref = refs.pop(0) if quantized else None  # [L*num_pages*2*Hkv*page_size] f32
   tree_ref = refs.pop(0) if tree_words else None  # [NW+1, (T+pad)*G]: tree words, then lag
   o_ref = refs[-2] if return_lse else refs[-1]  # [Hkv, (T+pad)*G, D]
   lse_ref = refs[-1] if return_lse else None  # [Hkv, (T+pad)*G] f32
@@ -137,11 +147,14 @@ def _kernel(
       load_mask = jnp.broadcast_to(k_read[:, None], (bk, d))
       dcol = jnp.arange(d, dtype=jnp.int32)[None, :]
       k = plgpu.load(kv_ref.at[krow[:, None], dcol], mask=load_mask,
-                     other=0).astype(q.dtype)  # [BK, D]
+                     other=0.0).astype(q.dtype)  # [BK, D]
       v = plgpu.load(kv_ref.at[krow[:, None] + num_kv_heads * page_size, dcol], mask=load_mask,
-                     other=0).astype(q.dtype)  # [BK, D]
+                     other=0.0).astype(q.dtype)  # [BK, D]
       sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                            preferred_element_type=jnp.float32)  # [R, BK]
+      if quantized:  # scales of keys not read load as 0
+        sc *= plgpu.load(scales_ref.at[krow], mask=k_read, other=0.0)[None, :]
+        vs = plgpu.load(scales_ref.at[krow + num_kv_heads * page_size], mask=k_read, other=0.0)
       sc *= sm_scale if k_scale is None else sm_scale * k_scale
       if soft_cap is not None:
         sc = soft_cap * jnp.tanh(sc / soft_cap)
@@ -160,9 +173,12 @@ def _kernel(
       m_next = jnp.maximum(m_prev, jnp.max(sc, axis=1))  # [R]
       p = jnp.where(mask, jnp.exp(sc - m_next[:, None]), 0.0)  # [R, BK]
       alpha = jnp.exp(m_prev - m_next)
+      l_next = alpha * l_prev + jnp.sum(p, axis=1)  # of the unscaled probabilities
+      if quantized:
+        p = p * vs[None, :]
       pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                            preferred_element_type=jnp.float32)  # [R, D]
-      return alpha[:, None] * acc + pv, m_next, alpha * l_prev + jnp.sum(p, axis=1)
+      return alpha[:, None] * acc + pv, m_next, l_next
 
     init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG_INF, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
@@ -182,7 +198,7 @@ def _kernel(
 
 def ragged_paged_attention_gpu(
     q: jax.Array,  # [T, Hq, D]
-    kv_cache: jax.Array,  # [L, num_pages, 2, Hkv, page_size, D]
+    kv_cache: KVCache,  # [L, num_pages, 2, Hkv, page_size, D], see kv_cache_layout.py
     md: AttentionMetadata,
     *,
     layer: jax.Array | int = 0,
@@ -205,7 +221,9 @@ def ragged_paged_attention_gpu(
     head_dim >= 16 and pages_per_block * page_size >= 16 (Triton block shapes, smallest MMA).
   """
   t, hq, d = q.shape
-  num_layers, num_pages, _, hkv, page_size, _ = kv_cache.shape
+  values, scales = split_cache(kv_cache)
+  quantized = scales is not None
+  num_layers, num_pages, _, hkv, page_size, _ = values.shape
   s, p = md.block_table.shape
   g = hq // hkv
   # Checked in interpret mode too, so CPU tests catch a model or cache the GPU could not run.
@@ -235,7 +253,9 @@ def ragged_paged_attention_gpu(
   qr = qr.reshape(t_pad, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, t_pad * g, d)
   inputs = [item_seq, item_tok, md.kv_lens.astype(jnp.int32),
             md.block_table.astype(jnp.int32).reshape(-1), cu, scalars, qr,
-            kv_cache.reshape(num_rows, d)]
+            values.reshape(num_rows, d)]
+  if quantized:
+    inputs.append(scales.reshape(num_rows))
   tree_words = 0
   if md.tree_mask is not None:
     words, lag = tree_rows(md.tree_mask, cu, md.num_seqs)  # [T, NW], [T]
@@ -254,7 +274,7 @@ def ragged_paged_attention_gpu(
       page_size=page_size, pages_per_block=ppb, pages_per_seq=p, verify_width=md.verify_width,
       tree_words=tree_words, windowed=sliding_window is not None,
       return_lse=return_softmax_state, sm_scale=sm_scale, soft_cap=soft_cap, k_scale=k_scale,
-      v_scale=v_scale)
+      v_scale=v_scale, quantized=quantized)
   res = pl.pallas_call(
       kernel,
       grid=(num_items, hkv),

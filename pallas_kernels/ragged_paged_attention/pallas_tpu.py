@@ -33,6 +33,16 @@ The rest of the contract (`AttentionMetadata`):
 - With `return_softmax_state`, a second output holds each row's m + log(l) (`[Hkv, R, 1]` blocks,
   f32), -inf for rows that saw no key.
 
+A quantized cache (`kv_cache_layout.QuantizedKVCache`, int8 or fp8 values with a float32 scale
+per token and KV head) travels the same way: each page's `[2, Hkv, page_size]` scales are a second
+DMA on the page's semaphore, into a `[2 slots, pages_per_block, 2, Hkv, page_size]` VMEM buffer.
+The tile is dequantized in VMEM by folding the row scales into the products rather than into the
+`[BK, D]` tiles: K's scales multiply the score columns (q.(s k) = s (q.k)) and V's the
+probability columns before p @ v, each one `[1, BK]` row of a KV head's scales (its pages' rows
+side by side), so the values feed the MXU as they are (int8 and e4m3 convert to bf16 exactly).
+`page_size` should be a multiple of 32 with int8 values (their sublane tiling), and ideally of
+128, so each page's scales fill whole lanes.
+
 Written within the interpreter's limits so it runs on CPU with `interpret=True` and
 `interpret=pltpu.InterpretParams(detect_races=True)`: no ref reshapes or bitcasts, no strided
 loads, no masked stores, nothing written to scalar-prefetch refs.
@@ -49,6 +59,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.kv_cache_layout import KVCache, split_cache
 from pallas_kernels.ragged_paged_attention.schedule import (q_block_seq_ranges, sanitize_cu_q_lens,
                                                             tree_rows, window_operand)
 
@@ -71,8 +82,8 @@ def _kernel(
     seq_hi_ref,  # [NQB]
     # Inputs.
     q_ref,  # [Hkv, R, D] VMEM block
-    kv_hbm,  # [L, num_pages, 2, Hkv, page_size, D] in HBM
-    *refs,  # [tree_ref], o_ref, [lse_ref], then the scratch below
+    kv_hbm,  # [L, num_pages, 2, Hkv, page_size, D] in HBM (int8 / fp8 values if quantized)
+    *refs,  # [scales_hbm], [tree_ref], o_ref, [lse_ref], then the scratch below
     block_q: int,
     pages_per_block: int,
     pages_per_seq: int,
@@ -86,11 +97,14 @@ def _kernel(
     soft_cap: float | None,
     k_scale: float | None,
     v_scale: float | None,
+    quantized: bool,
 ):
   refs = list(refs)
+  scales_hbm = refs.pop(0) if quantized else None  # [L, num_pages, 2, Hkv, page_size] f32, HBM
   tree_ref = refs.pop(0) if tree_words else None  # [NW+1, R, 1]: tree words, then lag
   o_ref = refs.pop(0)  # [Hkv, R, D] VMEM block
   lse_ref = refs.pop(0) if return_lse else None  # [Hkv, R, 1] VMEM block
+  scale_buf = refs.pop(0) if quantized else None  # [2 slots, PPB, 2, Hkv, page_size] f32
   (kv_buf,  # [2 slots, 2, Hkv, BK, D]
    sems,  # DMA [2 slots]
    acc_ref,  # [Hkv, R, D] f32
@@ -164,6 +178,9 @@ def _kernel(
         action(pltpu.make_async_copy(
             kv_hbm.at[layer, pg], kv_buf.at[slot, :, :, pl.ds(j * page_size, page_size), :],
             sems.at[slot]))
+        if quantized:
+          action(pltpu.make_async_copy(scales_hbm.at[layer, pg], scale_buf.at[slot, j],
+                                       sems.at[slot]))
 
       return carry
 
@@ -190,9 +207,17 @@ def _kernel(
           for j, read in enumerate(reads)])
 
     col_v = lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-    k_read = columns_read(lax.broadcasted_iota(jnp.int32, (1, bk), 1))  # [1, BK]
+    col_k = lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    k_read = columns_read(col_k)  # [1, BK]
     v_read = columns_read(col_v) & (kb * bk + col_v < key_end)  # [BK, 1]
     any_read = functools.reduce(operator.or_, reads)
+
+    def scale_row(kv, h):  # [1, BK]: K (kv=0) or V (1) scales of head h, the block's pages in order
+      rows = [scale_buf[slot, j, kv, pl.ds(h, 1), :] for j in range(pages_per_block)]  # [1, ps]
+      return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
+
+    if quantized:  # V's scales as a row: stale or NaN ones outside the keys read would meet p == 0
+      vs_read = k_read & (kb * bk + col_k < key_end)  # [1, BK]
 
     # A block of absent pages only: nothing to add.
     @pl.when(any_read)
@@ -222,6 +247,8 @@ def _kernel(
         v = kv_buf[slot, 1, h].astype(q.dtype)  # [BK, D]
         sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32)  # [R, BK]
+        if quantized:
+          sc *= scale_row(0, h)  # masked below where a column was not read
         sc *= sm_scale if k_scale is None else sm_scale * k_scale
         if soft_cap is not None:
           sc = soft_cap * jnp.tanh(sc / soft_cap)
@@ -233,6 +260,8 @@ def _kernel(
         l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
         m_ref[h] = m_next
         v = jnp.where(v_read, v, jnp.zeros_like(v))
+        if quantized:  # l above sums the unscaled probabilities
+          p = p * jnp.where(vs_read, scale_row(1, h), 0.0)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                              preferred_element_type=jnp.float32)  # [R, D]
         acc_ref[h] = alpha * acc_ref[h] + pv
@@ -277,7 +306,7 @@ def _kernel(
 
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, Hq, D]
-    kv_cache: jax.Array,  # [L, num_pages, 2, Hkv, page_size, D]
+    kv_cache: KVCache,  # [L, num_pages, 2, Hkv, page_size, D], see kv_cache_layout.py
     md: AttentionMetadata,
     *,
     layer: jax.Array | int = 0,
@@ -297,11 +326,13 @@ def ragged_paged_attention_tpu(
   block_q: flat query tokens per program. block_q * Hq / Hkv should be a multiple of 8 (16 for
     16-bit queries) to tile VMEM; decode-heavy steps waste fewer masked rows with a smaller one.
   pages_per_block: pages per KV block (one DMA each, double-buffered). page_size should be a
-    multiple of the KV dtype's sublane tiling (8 for 32-bit, 16 for 16-bit) so each page lands
-    on a tile boundary of the VMEM buffer.
+    multiple of the KV dtype's sublane tiling (8 for 32-bit, 16 for 16-bit, 32 for 8-bit) so
+    each page lands on a tile boundary of the VMEM buffer.
   """
   t, hq, d = q.shape
-  _, _, _, hkv, page_size, _ = kv_cache.shape
+  values, scales = split_cache(kv_cache)
+  quantized = scales is not None
+  _, _, _, hkv, page_size, _ = values.shape
   s, p = md.block_table.shape
   g = hq // hkv
   ppb = min(pages_per_block, p)
@@ -318,7 +349,10 @@ def ragged_paged_attention_tpu(
   qr = jnp.pad(q, ((0, t_pad - t), (0, 0), (0, 0)))
   qr = qr.reshape(t_pad, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, t_pad * g, d)
   block = pl.BlockSpec((hkv, rows, d), lambda i, *_: (0, i, 0))
-  inputs, in_specs = [qr, kv_cache], [block, pl.BlockSpec(memory_space=pl.ANY)]
+  inputs, in_specs = [qr, values], [block, pl.BlockSpec(memory_space=pl.ANY)]
+  if quantized:
+    inputs.append(scales)
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
   tree_words = 0
   if md.tree_mask is not None:
     words, lag = tree_rows(md.tree_mask, cu, md.num_seqs)  # [T, NW], [T]
@@ -338,7 +372,8 @@ def ragged_paged_attention_tpu(
       _kernel, block_q=block_q, pages_per_block=ppb, pages_per_seq=p, num_seq_slots=s, group=g,
       verify_width=md.verify_width, tree_words=tree_words, windowed=sliding_window is not None,
       return_lse=return_softmax_state, sm_scale=sm_scale, soft_cap=soft_cap, k_scale=k_scale,
-      v_scale=v_scale)
+      v_scale=v_scale, quantized=quantized)
+  scale_scratch = [pltpu.VMEM((2, ppb, 2, hkv, page_size), scales.dtype)] if quantized else []
   res = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -346,8 +381,8 @@ def ragged_paged_attention_tpu(
           grid=(nqb,),
           in_specs=in_specs,
           out_specs=out_specs,
-          scratch_shapes=[
-              pltpu.VMEM((2, 2, hkv, ppb * page_size, d), kv_cache.dtype),
+          scratch_shapes=scale_scratch + [
+              pltpu.VMEM((2, 2, hkv, ppb * page_size, d), values.dtype),
               pltpu.SemaphoreType.DMA((2,)),
               pltpu.VMEM((hkv, rows, d), jnp.float32),
               pltpu.VMEM((hkv, rows, 1), jnp.float32),

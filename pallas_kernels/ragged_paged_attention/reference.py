@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention_metadata import AttentionMetadata
+from pallas_kernels.kv_cache_layout import KVCache, dequantize, split_cache
 
 
 def row_layout(md: AttentionMetadata, t: int):
@@ -28,7 +29,7 @@ def row_layout(md: AttentionMetadata, t: int):
 
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, Hq, D]
-    kv_cache: jax.Array,  # [L, num_pages, 2, Hkv, page_size, D]
+    kv_cache: KVCache,  # [L, num_pages, 2, Hkv, page_size, D], see kv_cache_layout.py
     md: AttentionMetadata,
     *,
     layer: jax.Array | int = 0,
@@ -40,7 +41,8 @@ def ragged_paged_attention_reference(
     return_softmax_state: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [T, Hq, D] (, lse [T, Hq] float32)
   t, hq, d = q.shape
-  _, _, _, hkv, page_size, _ = kv_cache.shape
+  values, scales = split_cache(kv_cache)
+  _, _, _, hkv, page_size, _ = values.shape
   s_max, p_max = md.block_table.shape
   f32 = jnp.float32
   seg, idx, live, _, q_lens, ctx_lens = row_layout(md, t)
@@ -48,7 +50,8 @@ def ragged_paged_attention_reference(
   # Each sequence's keys in position order: [S, K, Hkv, D], K = P * page_size.
   pages = md.block_table
   present = jnp.repeat(pages >= 0, page_size, axis=1)  # [S, K]
-  kv = kv_cache[layer, jnp.maximum(pages, 0)].astype(f32)  # [S, P, 2, Hkv, ps, D]
+  at = (layer, jnp.maximum(pages, 0))
+  kv = dequantize(values[at], None if scales is None else scales[at])  # [S, P, 2, Hkv, ps, D]
   keys = kv[:, :, 0].transpose(0, 1, 3, 2, 4).reshape(s_max, -1, hkv, d)
   vals = kv[:, :, 1].transpose(0, 1, 3, 2, 4).reshape(s_max, -1, hkv, d)
   keys, vals = keys * (k_scale or 1.0), vals * (v_scale or 1.0)

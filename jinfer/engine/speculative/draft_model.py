@@ -1,9 +1,9 @@
 """A draft model proposer: a small model with the target's tokenizer guesses k tokens per
 sequence, in one jitted loop per step, ahead of the target's verify step.
 
-Its KV cache is its own array with the target's page geometry, indexed by the same block tables:
-a page holds the same positions in both caches, so prefix hits, preemption and rollback need no
-bookkeeping of their own. Each step the draft runs
+Its KV cache is its own, with the target's page geometry and kv_cache_dtype, indexed by the same
+block tables: a page holds the same positions in both caches, so prefix hits, preemption and
+rollback need no bookkeeping of their own. Each step the draft runs
   1. one pass over the step's flat batch without the drafts: prefill chunks alongside the
      target's, and for a decoding sequence the tokens its cache lacks (`Sequence.draft_lag`,
      then the last token), giving d_1 from the last row;
@@ -27,7 +27,7 @@ from flax import struct
 
 from jinfer.sampling.accept import VerifyTensors, row_tensors
 from jinfer.config import ModelConfig
-from jinfer.engine.engine_config import ResolvedConfig
+from jinfer.engine.engine_config import KV_STORAGE_DTYPES, ResolvedConfig
 from jinfer.engine.request import Sequence
 from jinfer.engine.scheduler import ScheduledBatch
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
@@ -134,10 +134,13 @@ class DraftModelProposer(Proposer):
       head = params["lm_head"]["kernel"].T
     # [Vd, E]: the head's rows for the draft's vocabulary (all of it shares the array).
     self.head = head if len(vocab) == config.vocab_size else head[self.vocab]
+    # The draft's cache stores what the target's does (kv_cache_dtype: int8 / fp8 pages are
+    # quantized the same way), so it takes the same share of memory.
     self.spec = KVCacheSpec(num_layers=config.num_layers, num_pages=engine_config.num_pages,
                             page_size=engine_config.cache.page_size,
                             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                            dtype=dtype)
+                            dtype=KV_STORAGE_DTYPES.get(engine_config.cache.kv_cache_dtype,
+                                                        dtype))
     self.page_size = engine_config.cache.page_size
     self.kv_cache = self.spec.allocate()
     self._cache_resets = 0
