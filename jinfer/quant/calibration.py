@@ -98,14 +98,19 @@ def calibrate(model: nn.Module, params: dict, kernels: dict, token_ids: Sequence
   spec = KVCacheSpec(num_layers=c.num_layers, num_pages=num_pages, page_size=16,
                      num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=model.dtype)
   pick = np.sort(np.random.default_rng(seed).choice(t, min(rows, t), replace=False))
-  got: dict[tuple[str, ...], list] = {}
-  aliases: dict[tuple[str, ...], tuple[str, ...]] = {}
+  got: dict[tuple[str, ...], list] = {}  # path -> each call's statistics, layer by layer
+  aliases: dict[tuple[str, ...], tuple[str, ...]] = {}  # path -> the path it shares input with
+  seen: dict[int, tuple] = {}  # id of a traced input -> (path, the input)
   start = time.perf_counter()
+  if verbose:
+    print(f"calibration: {t} tokens through {c.num_layers} layers", flush=True)
 
   def record(path, *stats):
     got.setdefault(path, []).append([np.asarray(a) for a in stats])
-    if verbose and path == next(iter(got)):
-      print(f"calibration: layer {len(got[path])}/{c.num_layers} "
+    done = len(got[path])
+    if verbose and path == next(iter(got)) and (done % max(1, c.num_layers // 10) == 0
+                                                or done == c.num_layers):
+      print(f"calibration: layer {done}/{c.num_layers} "
             f"({time.perf_counter() - start:.1f} s)", flush=True)
 
   def intercept(f, args, kwargs, context):
@@ -115,7 +120,7 @@ def calibrate(model: nn.Module, params: dict, kernels: dict, token_ids: Sequence
     w = _lookup(params, path + ("kernel",))
     # A stacked linear called on one plain input (expert kernels also take routing groups).
     if (context.method_name != "__call__" or decl is None or len(args) != 1 or kwargs
-        or w.ndim == decl[0] + decl[1]):
+        or not isinstance(w, (jax.Array, np.ndarray)) or w.ndim == decl[0] + decl[1]):
       return f(*args, **kwargs)
     x = args[0]
     if id(x) in seen:  # q/k/v read one array: its statistics once
@@ -132,8 +137,6 @@ def calibrate(model: nn.Module, params: dict, kernels: dict, token_ids: Sequence
       stats.append(xf[pick])
     io_callback(lambda *a, p=path: record(p, *a), None, *stats, ordered=True)
     return f(*args, **kwargs)
-
-  seen: dict[int, tuple] = {}
 
   @jax.jit
   def forward(params, ids, pos, md):

@@ -117,8 +117,9 @@ def apply_awq(params: dict, kernels: dict, stats: dict[tuple[str, ...], LinearSt
 
 
 def quantize_model(params: dict, kernels: dict, *, method: str = "rtn", model=None,
-                   calibration: Sequence[int] | object | None = None, group_size: int = 128,
-                   sym: bool = False, act_order: bool = False, clip: bool = True,
+                   calibration: Sequence[int] | object | None = None,
+                   stats: dict[tuple[str, ...], LinearStats] | None = None, group_size: int = 128,
+                   sym: bool = False, act_order: bool = True, clip: bool = True,
                    n_grid: int = 20, rows: int = 512, seq_len: int = 512,
                    verbose: bool = True) -> dict:
   """Params with every stacked linear kernel replaced by a `GroupwiseArray` (4-bit, groups of
@@ -126,19 +127,23 @@ def quantize_model(params: dict, kernels: dict, *, method: str = "rtn", model=No
 
   method: "rtn" (no calibration), "awq" (scales folded into the norms and up_proj, which come
     back changed; `clip`: also AWQ's clipping search) or "gptq" (`act_order`: desc_act with
-    static groups, see `jinfer/quant/gptq.py`).
+    static groups, see `jinfer/quant/gptq.py`; on SmolLM2 it halved GPTQ's perplexity
+    increase, at no cost at run time).
   model: the float model (`CausalLM(config)`, scanned), for "awq" and "gptq".
   calibration: token ids, or a tokenizer to encode the shipped calibration text.
+  stats: `calibrate`'s statistics of these params (with `xtx` for GPTQ, `rows` for AWQ) instead
+    of model and calibration: one calibration run serves several quantizations.
   rows: calibration rows AWQ's searches measure on; seq_len: calibration sequence length.
   """
   if method not in METHODS:
     raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
   start = time.perf_counter()
-  stats = {}
-  if method == "gptq":
-    stats = _calibrate(params, model, kernels, calibration, verbose, xtx=True, seq_len=seq_len)
-  elif method == "awq":
-    stats = _calibrate(params, model, kernels, calibration, verbose, rows=rows, seq_len=seq_len)
+  if method == "rtn":
+    stats = {}
+  elif stats is None:
+    stats = _calibrate(params, model, kernels, calibration, verbose, seq_len=seq_len,
+                       **({"xtx": True} if method == "gptq" else {"rows": rows}))
+  if method == "awq":
     params = apply_awq(params, kernels, stats, group_size=group_size, sym=sym, clip=clip,
                        n_grid=n_grid, verbose=verbose)
   out = params
@@ -162,14 +167,24 @@ def quantize_model(params: dict, kernels: dict, *, method: str = "rtn", model=No
   return out
 
 
-def smooth_model(params: dict, kernels: dict, *, model, calibration: Sequence[int] | object,
-                 alpha: float = 0.5, seq_len: int = 512, verbose: bool = True) -> dict:
+def smooth_model(params: dict, kernels: dict, *, model=None,
+                 calibration: Sequence[int] | object | None = None,
+                 stats: dict[tuple[str, ...], LinearStats] | None = None, alpha: float = 0.5,
+                 seq_len: int = 512, verbose: bool = True) -> dict:
   """SmoothQuant: float params with each scale group's smoothing scales folded in (the same
-  function as before), for W8A8 (`qarray.quantize_params` quantizes them as usual)."""
-  stats = _calibrate(params, model, kernels, calibration, verbose, seq_len=seq_len)
+  function as before), for W8A8 (`qarray.quantize_params` quantizes them as usual).
+
+  alpha: the migration strength, one for every group. On SmolLM2 0.5 beat 0.3-0.8 on the mean
+  perplexity over six texts, and beat a per-group search for the least W8A8 error of each
+  group's outputs (which picked 0.6-0.9). model, calibration, stats: as `quantize_model`'s."""
+  start = time.perf_counter()
+  if stats is None:
+    stats = _calibrate(params, model, kernels, calibration, verbose, seq_len=seq_len)
   stack, kst = params[STACK], kernels[STACK]
   for grp in folding.layer_groups(stack, kst):
     s = smoothquant.smooth_scales(jnp.asarray(stats[(STACK,) + grp.linears[0]].abs_max),
                                   folding.group_kernel(stack, kst, grp), alpha)
     stack = folding.fold(stack, kst, grp, s)
+  if verbose:
+    print(f"smooth_model: {time.perf_counter() - start:.1f} s", flush=True)
   return {**params, STACK: stack}

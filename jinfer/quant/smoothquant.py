@@ -23,3 +23,4 @@ def smooth_scales(x_max: jax.Array, w: jax.Array, alpha: float | jax.Array = 0.5
   implementation does, so dead channels stay finite."""
   w_max = jnp.maximum(jnp.abs(w).max(-1), 1e-5)  # [lead..., K]
   return jnp.maximum(x_max ** alpha / w_max ** (1 - alpha), 1e-5)
+
