@@ -13,7 +13,12 @@ of two arrays carried and donated together:
   values  [L, num_pages, 2, Hkv, page_size, D]  int8 or float8_e4m3fn, the layout above;
   scales  [L, num_pages, 2, Hkv, page_size]     float32, the same layout less head_dim.
 Each token's K (and V) of each KV head is scaled by its own absmax over head_dim (symmetric:
-int8 in [-127, 127], fp8 in [-448, 448]), so `K = values * scales[..., None]`. Why this way:
+int8 in [-127, 127], fp8 in [-448, 448]), so `K = values * scales[..., None]`. K is stored
+rotated: `K @ R` with R an orthonormal Hadamard matrix over head_dim (`key_rotation`), and the
+attention entry point rotates the queries the same way ((q R).(k R) = q.k), so no kernel knows.
+The rotation spreads the few outlier channels that RoPE'd keys carry over the whole head before
+the absmax is taken: on SmolLM2-135M (fixed 512-token text) int8 keys cost +0.40% perplexity
+unrotated, -0.01% rotated; values cost ~0 either way and are stored as they are. Why this way:
   * a token's scale depends on that token alone: writing a row never rescales rows written before,
     a page is final once written (prefix caching shares it as is), and results do not depend on
     what else is in the batch;
@@ -28,9 +33,11 @@ against 128 in bfloat16 and 256 in float32).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 SINK_PAGE = 0
@@ -79,6 +86,40 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
   return y.astype(dtype), scale.astype(SCALE_DTYPE)
 
 
+@functools.cache
+def key_rotation(head_dim: int) -> np.ndarray:  # [D, D] float32, orthonormal and symmetric
+  """Sylvester's Hadamard matrix / sqrt(size), block-diagonal over the powers of two that sum to
+  head_dim when it is not one (64 + 16 for 80): orthonormal whatever the head size."""
+  blocks, d = [], head_dim
+  while d:
+    n = 1 << (d.bit_length() - 1)
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+      h = np.block([[h, h], [h, -h]])
+    blocks.append(h / np.sqrt(n))
+    d -= n
+  out = np.zeros((head_dim, head_dim), np.float32)
+  i = 0
+  for b in blocks:
+    out[i:i + len(b), i:i + len(b)] = b
+    i += len(b)
+  return out
+
+
+def rotate_keys(x: jax.Array) -> jax.Array:
+  """x [..., D] @ key_rotation(D), in float32 (the rotation is its own inverse)."""
+  r = key_rotation(x.shape[-1])
+  return jnp.matmul(x.astype(jnp.float32), r, precision=jax.lax.Precision.HIGHEST)
+
+
+def quantize_pages(pages: jax.Array, dtype) -> QuantizedKVCache:
+  """A float cache [..., 2, Hkv, page_size, D] in the quantized layout: K rotated, then K and V
+  quantized per row. What write_kv stores, for caches built whole (tests, conversions)."""
+  k = rotate_keys(pages[..., 0, :, :, :])
+  kv = jnp.stack([k, pages[..., 1, :, :, :].astype(jnp.float32)], axis=-4)
+  return QuantizedKVCache(*quantize(kv, dtype))
+
+
 def dequantize(values: jax.Array, scales: jax.Array | None, dtype=jnp.float32) -> jax.Array:
   """values [..., D], scales [...] (None: unquantized) -> [..., D] of `dtype`."""
   x = values.astype(jnp.float32 if scales is not None else dtype)
@@ -124,8 +165,8 @@ class KVCacheSpec:
 
 def write_kv(cache: KVCache, layer: jax.Array | int, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> KVCache:
-  """Scatter one layer's new K/V rows into their slots (quantized first if the cache is), in
-  place when the cache is donated.
+  """Scatter one layer's new K/V rows into their slots (K rotated and both quantized first if
+  the cache is), in place when the cache is donated.
 
   cache: see the module docstring; layer: scalar (traced under a layer scan);
   k, v: [T, Hkv, D]; slot_mapping: [T] int32 with slot = page * page_size + offset (padding rows
@@ -141,7 +182,8 @@ def write_kv(cache: KVCache, layer: jax.Array | int, k: jax.Array, v: jax.Array,
   at = (layer, pages, slice(None), slice(None), offs)
   if scales is None:
     return values.at[at].set(kv.astype(values.dtype), mode="drop", unique_indices=False)
-  kv, kv_scales = quantize(kv, values.dtype)
+  kv, kv_scales = quantize(jnp.stack([rotate_keys(k), v.astype(jnp.float32)], axis=1),
+                           values.dtype)
   return QuantizedKVCache(
       values=values.at[at].set(kv, mode="drop", unique_indices=False),
       scales=scales.at[at].set(kv_scales, mode="drop", unique_indices=False))

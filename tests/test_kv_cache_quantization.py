@@ -19,7 +19,8 @@ from jinfer.engine.engine_config import EngineConfig
 from jinfer.errors import ParameterError
 from jinfer.sampling.params import SamplingParams
 from pallas_kernels import AttentionMetadata, KVCacheSpec, QuantizedKVCache, write_kv
-from pallas_kernels.kv_cache_layout import copy_slots, dequantize, quantize
+from pallas_kernels.kv_cache_layout import (copy_slots, dequantize, key_rotation, quantize,
+                                            quantize_pages, rotate_keys)
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from tests.engine_fixtures import (CompileCounter, make_engine, prefix_sharing_prompts,
                                    random_prompts, run_tokens)
@@ -51,6 +52,19 @@ def test_quantize_error_bound(dtype):
                              127.0 if dtype == INT8 else 448.0)
 
 
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_key_rotation_is_orthonormal_and_spreads_outliers(head_dim):
+  r = key_rotation(head_dim)
+  np.testing.assert_allclose(r @ r, np.eye(head_dim), atol=1e-6)  # its own inverse
+  np.testing.assert_array_equal(r, r.T)
+  # Keys with an outlier channel (as RoPE'd keys have): rotated, int8 loses far less of them.
+  rng = np.random.default_rng(0)
+  k = rng.standard_normal((256, head_dim)).astype(np.float32)
+  k[:, 3] *= 30.0
+  err = lambda x: np.abs(np.asarray(dequantize(*quantize(jnp.asarray(x), INT8))) - x).mean()
+  assert err(np.asarray(rotate_keys(k))) < 0.3 * err(k)
+
+
 def test_write_kv_and_copy_slots_carry_the_scales():
   spec = KVCacheSpec(num_layers=2, num_pages=5, page_size=4, num_kv_heads=2, head_dim=8,
                      dtype=INT8)
@@ -62,9 +76,10 @@ def test_write_kv_and_copy_slots_carry_the_scales():
   slots = jnp.asarray([5, 6, 13], jnp.int32)  # page 1 offsets 1, 2; page 3 offset 1
   cache = jax.jit(write_kv)(cache, 1, k, v, slots)
   got = dequantize(cache.values[1, 3, :, :, 1], cache.scales[1, 3, :, :, 1])  # [2, Hkv, D]
-  want = dequantize(*quantize(jnp.stack([k[2], v[2]]), INT8))
+  want = dequantize(*quantize(jnp.stack([rotate_keys(k[2]), v[2]]), INT8))  # K stored rotated
   np.testing.assert_array_equal(got, want)
-  np.testing.assert_allclose(got, jnp.stack([k[2], v[2]]), atol=0.05)
+  np.testing.assert_allclose(jnp.stack([rotate_keys(got[0]), got[1]]), jnp.stack([k[2], v[2]]),
+                             atol=0.05)
   moved = copy_slots(cache, jnp.asarray([13, 5]), jnp.asarray([18, -1]))  # 13 -> page 4 offset 2
   for x in (moved.values, moved.scales):
     np.testing.assert_array_equal(np.asarray(x)[:, 4, :, :, 2], np.asarray(x)[:, 3, :, :, 1])
@@ -76,7 +91,7 @@ def _batch(case, dtype: str) -> tuple:
   """The test batch, its cache quantized (never-written slots, NaN, get NaN scales), and the
   reference's output over those pages."""
   b = make_batch(case)
-  cache = QuantizedKVCache(*quantize(jnp.asarray(b["cache"]), {"int8": INT8, "fp8": FP8}[dtype]))
+  cache = quantize_pages(jnp.asarray(b["cache"]), {"int8": INT8, "fp8": FP8}[dtype])
   return b, cache, _attend(case, b, cache, "reference")
 
 
@@ -150,7 +165,7 @@ def test_pallas_tpu_quantized_pages_detect_races():
   from tests.test_ragged_paged_attention import RACE_CASES
   case = RACE_CASES[2]  # tree rows, absent pages
   b = make_batch(case, seed=1)
-  cache = QuantizedKVCache(*quantize(jnp.asarray(b["cache"]), INT8))
+  cache = quantize_pages(jnp.asarray(b["cache"]), INT8)
   want = _attend(case, b, cache, "reference")
   params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
   pltpu.reset_tpu_interpret_mode_state()
@@ -199,6 +214,25 @@ def test_int8_engine_no_compiles_batch_invariant_and_bytes(int8_engine, tiny_mod
   assert after.kv_bytes_per_token / float_spec.bytes_per_token == (d + 4) / (4 * d)
   assert after.kv_cache_bytes == eng.runner.spec.nbytes
   assert after.kv_pages_per_gib == 2**30 / (after.kv_bytes_per_token * 4)
+
+
+@pytest.mark.slow
+def test_a_step_does_not_copy_the_int8_cache():
+  """As test_model_layout's test: the donated values and scales are updated in place, so the
+  step's temporaries do not grow with the cache."""
+  from jinfer.engine.step_input import empty_step_input, to_step_input
+  from tests.test_model_layout import CONFIG, _params
+  temps = []
+  for num_pages in (64, 2048):
+    eng = make_engine((CONFIG, _params(), None), warmup=False, max_model_len=64, page_size=4,
+                      num_pages=num_pages, max_num_seqs=4, max_num_batched_tokens=32,
+                      scan_layers=True, compilation_cache=False, kv_cache_dtype="int8")
+    r, v = eng.runner, eng.runner.variant(32)
+    inp = to_step_input(empty_step_input(eng.buckets, 32), eng.buckets)
+    mem = v.step.lower(v.params, r.kv_cache, inp, None, None).compile().memory_analysis()
+    temps.append(mem.temp_size_in_bytes)
+  assert r.kv_cache_bytes > 2 * max(temps), "the test needs a cache larger than the temporaries"
+  assert temps[0] == temps[1], f"temporaries grew with the cache: {temps}"
 
 
 def test_kv_cache_dtype_resolves():
@@ -293,7 +327,7 @@ def test_ring_attention_over_int8_cache():
   rng = np.random.default_rng(3)
   for _ in range(2):
     q, k, v, cache, md = _ragged_batch(rng, 2, hq=4, hkv=2)
-    cache = QuantizedKVCache(*quantize(jnp.asarray(cache), INT8))
+    cache = quantize_pages(jnp.asarray(cache), INT8)
     want_o, want_cache = one(q, k, v, cache, md)
     got_o, got_cache = ring(q, k, v, jax.device_put(cache, sharding.kv_cache_sharding(mesh, True)),
                             md)

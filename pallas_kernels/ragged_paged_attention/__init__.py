@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from pallas_kernels.attention_metadata import AttentionMetadata
-from pallas_kernels.kv_cache_layout import KVCache
+from pallas_kernels.kv_cache_layout import KVCache, QuantizedKVCache, rotate_keys
 from pallas_kernels.ragged_paged_attention.pallas_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention.pallas_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
@@ -57,7 +57,8 @@ def ragged_paged_attention(
   rules of `AttentionMetadata` (row classes, tree mask, absent pages).
 
   `kv_cache` is an array of K/V as they are, or a `QuantizedKVCache` (int8 / fp8 values with a
-  scale per token and KV head) that every backend dequantizes as it reads.
+  scale per token and KV head) that every backend dequantizes as it reads; its keys are stored
+  rotated (`kv_cache_layout.rotate_keys`), so the queries are rotated here, for every backend.
   `layer` and `sliding_window` may be traced (a layer scan passes them per layer); a window
   wider than any sequence means none. With `return_softmax_state` the row log-sum-exp comes
   too, so results over disjoint pages merge with `merge_attention`.
@@ -71,4 +72,6 @@ def ragged_paged_attention(
             k_scale=k_scale, v_scale=v_scale, return_softmax_state=return_softmax_state)
   if backend in _PALLAS:
     kw["interpret"] = interpret
+  if isinstance(kv_cache, QuantizedKVCache):
+    q = rotate_keys(q).astype(q.dtype)  # [T, Hq, D]
   return _IMPLS[backend](q, kv_cache, md, **kw, **block_sizes)

@@ -11,6 +11,11 @@ Every row's keys split in two, each with its own online softmax, merged at the e
 On XLA:CPU (2 cores, SmolLM2 heads) this took one layer's 512-token prefill from 20.5 ms to
 5.6 ms and a step of 448 prefill rows beside 63 decodes from 23.9 to 10.5 ms, against padding
 every prefill chunk to `T` rows over all of its keys.
+A quantized cache (int8 / fp8 values, a scale per token and KV head) is read as its values
+converted to float32, with the scales folded into the context loops' scores (K) and probabilities
+(V) instead of multiplied into every value: with SmolLM2's heads that is 1/21 of the multiplies,
+and it took a 32-sequence decode over 192 keys each from 1.45 ms a layer (values scaled) to
+0.65 ms, against 0.8 ms over float32 pages. This step's own keys are dequantized as they are read.
 """
 from __future__ import annotations
 
