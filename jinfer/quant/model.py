@@ -8,11 +8,14 @@ itself (a float `CausalLM` with a scanned stack) is an argument too, needed only
 
 What gets 4 bits: every linear kernel with leading (stacked) axes, i.e. the decoder layers'
 projections and MoE experts. The embedding and the LM head stay as they are (AWQ and GPTQ leave
-them in float too). Expert kernels always take RTN: calibration does not see their routed rows.
+them in float too). Kernels that calibration does not see take RTN under every method: MoE
+experts (their rows are routed), and the separate `mlp_layers` / `moe_layers` stacks of a model
+that mixes dense and MoE layers (each runs inside a conditional, outside the layer scan's paths).
+AWQ scales only the groups `folding` knows (attention; dense MLPs in `layers`).
 
 Group size: K must be a multiple of it (the format has no ragged last group). Where the asked
 group size does not divide a kernel's K (SmolLM2's hidden size 576 = 4.5 x 128) the kernel takes
-the largest half, quarter, ... of it that does (576: 64), and says so.
+the largest half, quarter, ... of it that does (576: 64), and the verbose log says so.
 """
 from __future__ import annotations
 
@@ -56,9 +59,7 @@ def _stacked_kernels(params: dict, kernels: dict) -> list[tuple[tuple[str, ...],
   leading axes."""
   out = []
   flat, _ = jax.tree_util.tree_flatten_with_path(kernels, is_leaf=lambda x: isinstance(x, tuple))
-  for keypath, decl in flat:
-    if decl is None:
-      continue
+  for keypath, decl in flat:  # (None leaves, not kernels, flatten to nothing)
     path = tuple(k.key for k in keypath)
     w = folding.get(params, path)
     # Float kernels only: a checkpoint may bring some already quantized.
@@ -143,6 +144,9 @@ def quantize_model(params: dict, kernels: dict, *, method: str = "rtn", model=No
   elif stats is None:
     stats = _calibrate(params, model, kernels, calibration, verbose, seq_len=seq_len,
                        **({"xtx": True} if method == "gptq" else {"rows": rows}))
+  need = "xtx" if method == "gptq" else "rows"
+  if method != "rtn" and any(getattr(st, need) is None for st in stats.values()):
+    raise ValueError(f"{method} needs calibration statistics with `{need}`")
   if method == "awq":
     params = apply_awq(params, kernels, stats, group_size=group_size, sym=sym, clip=clip,
                        n_grid=n_grid, verbose=verbose)
