@@ -168,6 +168,14 @@ def cmd_bench(args):
       fh.write(text + "\n")
 
 
+def cmd_quantize(args):
+  from jinfer.engine.engine import LLMEngine
+  engine = LLMEngine(args.model, config=_engine_config(args), warmup=False)
+  engine.save_quantized(args.out)
+  print(f"saved {args.model} ({args.quantization}) to {args.out}: "
+        f"{engine.stats().weight_bytes / 2**20:.0f} MiB of weights", file=sys.stderr)
+
+
 def cmd_serve(args):
   from jinfer.serving.server import serve
   from jinfer.parallel.distributed import DistributedConfig
@@ -254,6 +262,13 @@ def parser() -> argparse.ArgumentParser:
   # output the workload can make.
   _add_engine_args(p, skip=("seed", "data_parallel_size"), max_model_len=None)
   p.set_defaults(fn=cmd_bench)
+
+  p = sub.add_parser("quantize", help="quantize a model once (AWQ/GPTQ calibrate) and save it; "
+                                      "`--model DIR` then loads it as it is")
+  p.add_argument("--model", default=DEFAULT_MODEL)
+  p.add_argument("--out", required=True, help="directory to save the quantized model into")
+  _add_engine_args(p, skip=("data_parallel_size",))
+  p.set_defaults(fn=cmd_quantize)
 
   p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)")
   serving = ServerOptions()  # the defaults

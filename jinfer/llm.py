@@ -45,6 +45,11 @@ class LLM:
     """Release the other processes (several processes only; idempotent)."""
     self.engine.close()
 
+  def save_quantized(self, path: str) -> None:
+    """Save the quantized weights this LLM runs; `LLM(path)` loads them without quantizing or
+    calibrating again (see `LLMEngine.save_quantized`)."""
+    self.engine.save_quantized(path)
+
   def generate(self, prompts: str | Seq[str] | Seq[list[int]],
                sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                use_tqdm: bool = True) -> list[RequestOutput]:

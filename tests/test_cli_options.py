@@ -12,8 +12,9 @@ from jinfer.errors import ParameterError
 
 FIELDS = [f.name for _, f in option_fields()] + [SPECULATIVE]
 # What each command sets itself instead (its own --seed; one engine, no data-parallel front end).
-OWN = {"serve": (), "bench": ("seed", "data_parallel_size"),
-       "generate": ("seed", "data_parallel_size"), "chat": ("seed", "data_parallel_size")}
+OWN = {"serve": (), "quantize": ("data_parallel_size",),
+       "bench": ("seed", "data_parallel_size"), "generate": ("seed", "data_parallel_size"),
+       "chat": ("seed", "data_parallel_size")}
 
 
 def _subparser(command: str):

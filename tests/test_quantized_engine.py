@@ -20,6 +20,7 @@ from safetensors.numpy import load_file, save_file
 from jinfer import LLM, SamplingParams
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
+from jinfer.engine import weight_quantization
 from jinfer.engine.weight_quantization import check_config, quantize_weights
 from jinfer.errors import ParameterError
 from jinfer.loader import load_model
@@ -149,6 +150,34 @@ def test_awq_and_gptq_checkpoints_run_int4(tiny_model_dir, tmp_path, method, sym
   prompts = [[0, 5, 9, 33, 2, 7], [0, 100, 4], [0] + list(range(10, 40))]
   got, want = [run_tokens(e, prompts, GREEDY) for e in engines]
   assert got == want
+
+
+@pytest.mark.parametrize("quantization, qc", [
+    ("int4", {"method": "rtn", "group_size": 32}),
+    pytest.param("w8a8", None, marks=pytest.mark.slow),  # SmoothQuant calibrates first
+    pytest.param("int4", {"method": "awq", "group_size": 32}, marks=pytest.mark.slow)])
+def test_a_quantized_model_saves_and_loads_back_without_quantizing(
+    tiny_model_dir, tmp_path, monkeypatch, quantization, qc):
+  options = dict(warmup=False, max_model_len=64, max_num_seqs=4)
+  llm = LLM(tiny_model_dir, quantization=quantization, quantization_config=qc, **options)
+  prompts = [[0, 5, 9, 33, 2, 7], [0] + list(range(10, 40))]
+  sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+  want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+  path = str(tmp_path / "saved")
+  llm.save_quantized(path)
+
+  def quantizing(*a, **k):
+    raise AssertionError("a saved quantized model was quantized again")
+  for name in ("quantize_model", "smooth_model", "quantize"):
+    monkeypatch.setattr(weight_quantization, name, quantizing)
+  back = LLM(path, **options)
+  assert back.engine.config.model.quantization == quantization  # w8a8 runs as w8a8
+  got = [o.outputs[0].token_ids for o in back.generate(prompts, sp, use_tqdm=False)]
+  assert got == want
+  assert back.engine.stats().weight_bytes == llm.engine.stats().weight_bytes
+  with pytest.raises(ParameterError, match=f"quantized as '{quantization}'") as e:
+    LLM(path, quantization="int8" if quantization != "int8" else "w8a8", **options)
+  assert e.value.param == "quantization"
 
 
 # -- bad input ----------------------------------------------------------------------------------

@@ -36,9 +36,8 @@ class DataParallelEngine:
     if config.kernels.compilation_cache:
       compilation_cache.enable()
     t0 = time.monotonic()
-    model_config, params, tokenizer = weight_quantization.load(
-        model, config.model.quantization, config.model.quantization_config,
-        dtype or default_dtype(), load_tokenizer=not skip_tokenizer_init)
+    model_config, params, tokenizer, config = weight_quantization.load(
+        config, model, dtype or default_dtype(), load_tokenizer=not skip_tokenizer_init)
     self._build(model_config, params, tokenizer, config, dtype, warmup)
     self.load_seconds = time.monotonic() - t0 - self.warmup_seconds
 

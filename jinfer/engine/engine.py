@@ -84,9 +84,9 @@ class LLMEngine:
       compilation_cache.enable()
     log.info("loading %s ...", model)
     t0 = time.monotonic()
-    model_config, params, tokenizer = weight_quantization.load(
-        model, config.model.quantization, config.model.quantization_config, dtype,
-        load_tokenizer=not skip_tokenizer_init)
+    model_config, params, tokenizer, config = weight_quantization.load(
+        config, model, dtype, load_tokenizer=not skip_tokenizer_init)
+    self.model_name = model
     self.load_seconds = time.monotonic() - t0
     log.info("loaded %s in %.1f s", model, self.load_seconds)
     self._build(model_config, params, tokenizer, config, dtype, warmup)
@@ -98,7 +98,7 @@ class LLMEngine:
     """An engine over params already loaded (stacked layout, see `jinfer.models`); `devices`:
     the ones its mesh uses (default: the first tensor x context parallel size of them)."""
     self = cls.__new__(cls)
-    self.load_seconds = 0.0
+    self.load_seconds, self.model_name = 0.0, None
     self._build(model_config, params, tokenizer, config or EngineConfig(),
                 dtype or default_dtype(), warmup, devices)
     return self
@@ -167,6 +167,17 @@ class LLMEngine:
     self.expert_tokens = (np.zeros((len(model_config.moe_layer_ids), model_config.num_experts),
                                    np.int64) if model_config.moe_layer_ids else None)
     self.warmup_seconds = self._warmup() if warmup else 0.0
+
+  def save_quantized(self, path: str, source: str | None = None) -> None:
+    """Save the quantized weights this engine runs under directory `path`; `LLM(path)` loads
+    them back without quantizing (or calibrating) again. `source`: the model they came from,
+    whose config and tokenizer the saved weights go with (default: the one this engine loaded).
+    """
+    if (source or self.model_name) is None:
+      raise ParameterError("source", "an engine built from parts needs the model's source")
+    m = self.config.model
+    weight_quantization.save(path, self.runner.stacked_params, source=source or self.model_name,
+                             quantization=m.quantization, quantization_config=m.quantization_config)
 
   def _warmup(self) -> float:
     t0 = time.monotonic()

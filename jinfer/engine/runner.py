@@ -160,6 +160,7 @@ class ModelRunner:
     scanned = buckets.token_buckets[-1] > unrolled_max_tokens
     self._main = variant(scanned)
     self.model, self.params = self._main.model, self._main.params
+    self.stacked_params = params  # the layout every variant's params are views or slices of
     self._small = (variant(False) if scanned and buckets.token_buckets[0] <= unrolled_max_tokens
                    else None)
     # An array, or values and scales (`QuantizedKVCache`) for an int8 / fp8 cache.

@@ -16,9 +16,12 @@ Calibration (AWQ, GPTQ, SmoothQuant) runs the float model over the English text 
 """
 from __future__ import annotations
 
+import os
+
 import jax
 
 from jinfer.config import ModelConfig
+from jinfer.engine.engine_config import EngineConfig
 from jinfer.errors import ParameterError
 from jinfer.loader import load_model
 from jinfer.models import CausalLM, linear_kernels
@@ -26,6 +29,8 @@ from jinfer.quant.groupwise import GroupwiseArray
 from jinfer.quant.model import METHODS, quantize_model, smooth_model
 from jinfer.quant.qarray import QArray, quantize
 from jinfer.weights.builtin import is_builtin
+from jinfer.weights.hf_quantized import is_quantized_dir
+from jinfer.weights.quantized_checkpoint import is_quantized_checkpoint, read_meta, save_quantized
 
 # quantization -> the quantization_config keys it reads, with their defaults
 CONFIG_KEYS = {"int8": {}, "w8a8": {"smoothquant": True, "alpha": 0.5},
@@ -56,23 +61,49 @@ def check_config(quantization: str | None, config: dict | None) -> dict:
   return out
 
 
-def load(model: str, quantization: str | None, quantization_config: dict | None, dtype, *,
-         load_tokenizer: bool = True):
-  """`load_model` for this quantization, its options checked before anything loads: (config,
-  params, tokenizer); "gguf" keeps a GGUF file's blocks quantized."""
-  check_config(quantization, quantization_config)
-  if quantization == "gguf" and not (is_builtin(model) or model.endswith(".gguf")):
+def load(config: EngineConfig, model: str, dtype, *, load_tokenizer: bool = True):
+  """`load_model` for `config`'s quantization, its options checked before anything loads:
+  (config, params, tokenizer, engine config). "gguf" keeps a GGUF file's blocks quantized. A
+  checkpoint quantized already (AWQ, GPTQ, or saved by `save`) runs as it was quantized: the
+  engine config returned says so, and asking for another quantization is an error."""
+  m = config.model
+  check_config(m.quantization, m.quantization_config)
+  if m.quantization == "gguf" and not (is_builtin(model) or model.endswith(".gguf")):
     raise ParameterError("quantization", f"quantization='gguf' keeps a GGUF file's blocks "
                                          f"quantized; {model!r} is not a .gguf file")
-  return load_model(model, dtype, load_tokenizer=load_tokenizer,
-                    keep_gguf_quantized=quantization == "gguf")
+  own = None
+  if os.path.isdir(model):
+    own = (read_meta(model)["quantization"] if is_quantized_checkpoint(model)
+           else "int4" if is_quantized_dir(model) else None)
+  if own is not None:
+    if m.quantization not in (None, own):
+      raise ParameterError("quantization", f"{model} holds weights quantized as {own!r}; it "
+                                           f"cannot run as quantization={m.quantization!r}")
+    config = config.replace(quantization=own, quantization_config=None)
+  model_config, params, tokenizer = load_model(model, dtype, load_tokenizer=load_tokenizer,
+                                               keep_gguf_quantized=m.quantization == "gguf")
+  return model_config, params, tokenizer, config
+
+
+def save(path: str, params: dict, *, source: str, quantization: str | None,
+         quantization_config: dict | None) -> None:
+  """Save an engine's quantized params (`jinfer/weights/quantized_checkpoint.py`): `LLM(path)`
+  loads them back without quantizing or calibrating again."""
+  if quantization in (None, "gguf"):
+    raise ParameterError("quantization", f"nothing to save: quantization={quantization!r} (a "
+                                         f"float model or GGUF file is its own checkpoint)")
+  if not is_builtin(source):
+    source = os.path.abspath(source)
+  save_quantized(path, params, source=source, quantization=quantization,
+                 quantization_config=check_config(quantization, quantization_config))
 
 
 def quantize_weights(config: ModelConfig, params: dict, quantization: str | None,
                      options: dict, *, int8_transposed: bool, tokenizer=None) -> dict:
-  """`params` as `quantization` runs them (`options`: `check_config`'s). Weights a checkpoint
+  """`params` as `quantization` runs them (`options`: `check_config`'s). Params a checkpoint
   brought quantized are left as they are."""
-  if quantization in (None, "gguf"):
+  done = lambda x: isinstance(x, (QArray, GroupwiseArray))
+  if quantization in (None, "gguf") or any(map(done, jax.tree.leaves(params, is_leaf=done))):
     return params
   kernels = linear_kernels(config, int8_transposed)
   calibrate = lambda: dict(model=CausalLM(config), calibration=_calibration(tokenizer))
@@ -84,7 +115,6 @@ def quantize_weights(config: ModelConfig, params: dict, quantization: str | None
                             group_size=options["group_size"], sym=options["sym"],
                             **(calibrate() if needs else {}))
   # What is still float among the linear kernels goes int8 (for int4: the embedding / head).
-  done = lambda x: isinstance(x, (QArray, GroupwiseArray))
   return jax.tree.map(lambda w, k: w if k is None or done(w) else quantize(w, *k), params,
                       kernels, is_leaf=done)
 
