@@ -9,8 +9,17 @@ Reports milliseconds, the bytes that must cross HBM (KV of every live token once
 output) per second as a fraction of `--peak-bw`, achieved TFLOP/s, and the max abs error against
 the baseline (`max_abs_err_vs_reference`; so a device run is also a check of the compiled kernel).
 
+Attention over an int8 KV cache (`decode_int8kv`): the decode batch with K/V stored int8 with a
+scale per token and head (`kv_cache_dtype="int8"`); its bytes count the int8 values and scales.
+
 int8 matmul: W8A16 and W8A8 kernels against a bf16 XLA matmul of the same weights (and the jnp
-int8 reference), at decode and prefill M with Llama-3-8B MLP shapes.
+int8 reference), at M = 1, 8, 64 (decode) and 4096 (prefill) with Llama-3-8B MLP shapes.
+
+int4 matmul: the group-wise kernel (4-bit weights packed per group of 128, a scale and offset
+per group and channel; `pallas_kernels/groupwise_matmul`) against the same bf16 XLA matmul, at
+M = 1, 8, 64 and 4096 with Llama-3-8B's MLP up (4096 x 14336) and down (14336 x 4096) shapes;
+checked against the jnp oracle. At M = 1 a memory-bound kernel should approach the ratio of
+bytes, ~3.6x bf16.
 
 Grouped matmul (MoE experts): Mixtral-8x7B's gate/up projection (8 experts, hidden 4096, 2 x
 14336 wide, top-2) over the rows a decode and a prefill batch route to the experts (a softmax
@@ -36,7 +45,9 @@ import numpy as np
 
 from pallas_kernels import AttentionMetadata
 from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.groupwise_matmul import dequantize, groupwise_matmul, pack_int4
 from pallas_kernels.int8_matmul import int8_matmul, quantize_per_channel
+from pallas_kernels.kv_cache_layout import quantize_pages
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 H200_PEAK_BW = 4.8e12  # bytes/s
@@ -137,13 +148,17 @@ def bench_attention(args, backends: list[str], interpret: bool) -> list[dict]:
               "mixed": (decode[:56] + [(512, 1024), (512, 2048)], 2048, 1, False),
               # Speculative decoding: 8 tree nodes on top of each cached context.
               "verify_tree": ([(8, kv) for kv in kv_lens], 512, 8, True)}
+  shapes["decode_int8kv"] = shapes["decode"]
   layer = jnp.int32(1)  # of 2, traced like a layer scan's index
   results = []
   for name, (seqs, t, verify_width, tree) in shapes.items():
     b = attention_batch(seqs, t, hq, hkv, d, args.page_size, dtype, verify_width=verify_width,
                         tree=tree)
-    nbytes, flops = attention_cost(seqs, b["tree_mask"], verify_width, hq, hkv, d,
-                                   jnp.dtype(dtype).itemsize, t)
+    itemsize = jnp.dtype(dtype).itemsize
+    if name.endswith("int8kv"):  # values 1 byte, plus a 4-byte scale per row of D
+      b["kv_cache"] = quantize_pages(b["kv_cache"], jnp.int8)
+      itemsize = 1 + 4 / d
+    nbytes, flops = attention_cost(seqs, b["tree_mask"], verify_width, hq, hkv, d, itemsize, t)
     ref = None
     for backend in [args.baseline] + backends:
       kernel = backend.startswith("pallas")
@@ -168,7 +183,7 @@ def bench_attention(args, backends: list[str], interpret: bool) -> list[dict]:
 
 def bench_int8_matmul(args, backends: list[str], interpret: bool) -> list[dict]:
   k, n = (256, 384) if args.smoke else (4096, 14336)
-  ms_list = (40,) if args.smoke else (16, 4096)
+  ms_list = (40,) if args.smoke else (1, 8, 64, 4096)
   dtype = jnp.float32 if args.smoke else jnp.bfloat16
   kx, kw_ = jax.random.split(jax.random.key(1))
   w = jax.random.normal(kw_, (k, n), jnp.float32) * 0.02
@@ -196,6 +211,48 @@ def bench_int8_matmul(args, backends: list[str], interpret: bool) -> list[dict]:
         nbytes = k * n + 4 * n + (m * k + m * n) * jnp.dtype(dtype).itemsize
         results.append(dict(op="int8_matmul", backend=backend, mode=mode, m=m, k=k, n=n, ms=ms,
                             bytes=nbytes, hbm_fraction=nbytes / (ms * 1e-3) / args.peak_bw,
+                            tflops=2 * m * k * n / (ms * 1e-3) / 1e12,
+                            max_abs_err_vs_reference=err))
+        print(json.dumps(results[-1]), file=sys.stderr)
+  return results
+
+
+def bench_int4_matmul(args, backends: list[str], interpret: bool) -> list[dict]:
+  g = 32 if args.smoke else 128
+  shapes = [(256, 384)] if args.smoke else [(4096, 14336), (14336, 4096)]
+  ms_list = (40,) if args.smoke else (1, 8, 64, 4096)
+  dtype = jnp.float32 if args.smoke else jnp.bfloat16
+  results = []
+  for k, n in shapes:
+    kx, kw_ = jax.random.split(jax.random.key(2))
+    w = jax.random.normal(kw_, (k, n), jnp.float32) * 0.02
+    lo, hi = w.reshape(k // g, g, n).min(1), w.reshape(k // g, g, n).max(1)  # RTN, asymmetric
+    scale = (hi - lo) / 15
+    codes = jnp.clip(jnp.round((w.reshape(k // g, g, n) - lo[:, None]) / scale[:, None]), 0, 15)
+    q = pack_int4(codes.reshape(k, n).astype(jnp.uint8), g)
+    w_bf16 = dequantize(q, scale, lo, bits=4, group_size=g).astype(dtype)
+    for m in ms_list:
+      x = jax.random.normal(kx, (m, k), dtype)
+      xla = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
+      dense_ms = time_fn(xla, (x, w_bf16), args.iters)
+      act = (m * k + m * n) * jnp.dtype(dtype).itemsize
+      nbytes = k * n * jnp.dtype(dtype).itemsize + act
+      results.append(dict(op="matmul", backend="xla_dense", mode=str(jnp.dtype(dtype)), m=m, k=k,
+                          n=n, ms=dense_ms, bytes=nbytes,
+                          hbm_fraction=nbytes / (dense_ms * 1e-3) / args.peak_bw,
+                          tflops=2 * m * k * n / (dense_ms * 1e-3) / 1e12))
+      print(json.dumps(results[-1]), file=sys.stderr)
+      ref = groupwise_matmul(x, q, scale, lo, bits=4, group_size=g, backend="reference")
+      for backend in backends:
+        fn = jax.jit(lambda x, q, s, o, backend=backend: groupwise_matmul(
+            x, q, s, o, bits=4, group_size=g, backend=backend, interpret=interpret))
+        out = fn(x, q, scale, lo)
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+        ms = time_fn(fn, (x, q, scale, lo), args.iters)
+        nbytes = k * n // 2 + 2 * 4 * (k // g) * n + act
+        results.append(dict(op="int4_matmul", backend=backend, group_size=g, m=m, k=k, n=n,
+                            ms=ms, bytes=nbytes, speedup_vs_dense=dense_ms / ms,
+                            hbm_fraction=nbytes / (ms * 1e-3) / args.peak_bw,
                             tflops=2 * m * k * n / (ms * 1e-3) / 1e12,
                             max_abs_err_vs_reference=err))
         print(json.dumps(results[-1]), file=sys.stderr)
@@ -275,7 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
   ap.add_argument("--baseline", choices=["xla", "reference"], default=None,
                   help="attention backend the kernels are timed and checked against "
                        "(default: reference with --smoke, else xla)")
-  ap.add_argument("--skip", choices=["attention", "int8_matmul", "grouped_matmul"],
+  ap.add_argument("--skip", choices=["attention", "int8_matmul", "int4_matmul",
+                                     "grouped_matmul"],
                   action="append", default=[])
   ap.add_argument("--smoke", action="store_true",
                   help="tiny shapes, f32; on CPU the kernels run in interpret mode")
@@ -300,6 +358,8 @@ def main(argv: list[str] | None = None) -> dict:
     results += bench_attention(args, backends, interpret)
   if "int8_matmul" not in args.skip:
     results += bench_int8_matmul(args, backends, interpret)
+  if "int4_matmul" not in args.skip:
+    results += bench_int4_matmul(args, backends, interpret)
   if "grouped_matmul" not in args.skip:
     gmm_backends = {"tpu": ["pallas_tpu"], "gpu": []}.get(plat, ["pallas_tpu"])
     results += bench_grouped_matmul(args, gmm_backends, interpret)
