@@ -217,9 +217,11 @@ def test_smollm2_quantized_modes_answer_and_fit():
   GGUF kept runs its blocks as the dequantized model does (perplexity on 512 tokens of a fixed
   English text within 0.2%; the quality report measures 1k tokens of three)."""
   question = [{"role": "user", "content": "What is the capital of France?"}]
+  # Scanned steps only, compiled as they come (an unrolled SmolLM2 step compiles every layer).
+  # int8 is checked the same way in test_kernels_in_engine.py.
   options = dict(max_model_len=600, max_num_seqs=2, max_num_batched_tokens=256, warmup=False,
-                 enable_prompt_logprobs=True)
-  limits = {None: 1.0, "int8": 0.30, "int4": 0.18, "gguf": 0.22}
+                 enable_prompt_logprobs=True, scan_layers=True)
+  limits = {None: 1.0, "int4": 0.18, "gguf": 0.22}
   ppl, size = {}, {}
   for mode, limit in limits.items():
     llm = LLM(quantization=mode, **options)
@@ -230,5 +232,6 @@ def test_smollm2_quantized_modes_answer_and_fit():
     assert size[mode] <= limit * size[None], (mode, size[mode] / size[None])
     if mode in (None, "gguf"):
       ppl[mode] = _perplexity(llm, llm.tokenizer.encode(topics["assignment"])[:512])
+    del llm
   print({m: round(s / size[None], 3) for m, s in size.items()}, ppl)
   assert abs(ppl["gguf"] / ppl[None] - 1) <= 0.002
