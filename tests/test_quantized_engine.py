@@ -154,7 +154,7 @@ def test_awq_and_gptq_checkpoints_run_int4(tiny_model_dir, tmp_path, method, sym
 
 @pytest.mark.parametrize("quantization, qc", [
     ("int4", {"method": "rtn", "group_size": 32}),
-    pytest.param("w8a8", None, marks=pytest.mark.slow),  # SmoothQuant calibrates first
+    pytest.param("w8a8", {"smoothquant": True}, marks=pytest.mark.slow),  # calibrates first
     pytest.param("int4", {"method": "awq", "group_size": 32}, marks=pytest.mark.slow)])
 def test_a_quantized_model_saves_and_loads_back_without_quantizing(
     tiny_model_dir, tmp_path, monkeypatch, quantization, qc):

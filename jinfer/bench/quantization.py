@@ -32,8 +32,8 @@ from jinfer.sampling.params import SamplingParams
 MODES = {  # name -> engine options
     "f32": {},
     "int8": dict(quantization="int8"),
-    "w8a8": dict(quantization="w8a8", quantization_config={"smoothquant": False}),
-    "w8a8-smoothquant": dict(quantization="w8a8"),
+    "w8a8": dict(quantization="w8a8"),
+    "w8a8-smoothquant": dict(quantization="w8a8", quantization_config={"smoothquant": True}),
     "int4-rtn-g128": dict(quantization="int4", quantization_config={"method": "rtn"}),
     "int4-awq-g128": dict(quantization="int4", quantization_config={"method": "awq"}),
     "int4-gptq-g128": dict(quantization="int4", quantization_config={"method": "gptq"}),
@@ -67,7 +67,8 @@ def _batch(llm: LLM, prompts: list[list[int]], n: int) -> float:
 def measure(model: str, options: dict, args, texts: dict[str, list[int]] | None) -> dict:
   t0 = time.perf_counter()
   llm = LLM(model, max_model_len=args.ppl_tokens + 64, max_num_seqs=args.batch,
-            max_num_batched_tokens=args.chunk, enable_prompt_logprobs=True, **options)
+            max_num_batched_tokens=args.chunk, enable_prompt_logprobs=True, warmup=False,
+            **options)
   build_s = time.perf_counter() - t0
   stats = llm.engine.stats()
   tok = llm.tokenizer
