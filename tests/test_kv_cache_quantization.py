@@ -117,7 +117,8 @@ ORACLE_TOL = {"int8": 0.06, "fp8": 0.35}
 
 @pytest.mark.parametrize("dtype", [
     "int8", pytest.param("fp8", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("backend", ["xla", "pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("backend", [
+    "xla", *[pytest.param(b, marks=pytest.mark.slow) for b in ("pallas_tpu", "pallas_gpu")]])
 @pytest.mark.parametrize("case", [
     RICH, pytest.param(TREES, marks=pytest.mark.slow),
     *[pytest.param(c, marks=pytest.mark.slow) for c in CASES if c not in (RICH, TREES)

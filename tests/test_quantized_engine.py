@@ -137,7 +137,8 @@ def _quantized_dir(src: str, dst: str, method: str, sym: bool) -> str:
   return dst
 
 
-@pytest.mark.parametrize("method, sym", [("awq", False), ("gptq", True), ("gptq", False)])
+@pytest.mark.parametrize("method, sym", [
+    ("awq", False), *[pytest.param("gptq", sym, marks=pytest.mark.slow) for sym in (True, False)]])
 def test_awq_and_gptq_checkpoints_run_int4(tiny_model_dir, tmp_path, method, sym):
   """Loaded as int4 (never through float), they run what a float model with the hand-dequantized
   weights runs."""
