@@ -101,3 +101,12 @@ def test_serve(tiny_model_dir):
   finally:
     proc.terminate()
     proc.communicate(timeout=120)
+
+
+@pytest.mark.slow
+def test_long_context(tiny_model_dir):
+  out = run_example("long_context.py", "--model", tiny_model_dir, "--context-tokens", "60",
+                    "--chunk", "16", "--kv-cache-dtype", "int8", "--max-tokens", "4")
+  lines = out.splitlines()
+  assert len(lines) == 3 and all("prompt tokens, first token after" in l for l in lines[:2]), out
+  assert float(re.search(r"hit rate ([\d.]+)", lines[2]).group(1)) > 0, out
