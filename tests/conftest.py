@@ -86,3 +86,12 @@ def hf_smollm2_model(smollm2_gguf):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
                                                               dtype=torch.float32)
   return model.eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_steps():
+  """After each test module, drop JAX's in-memory compiled executables: one process runs the
+  whole suite, and hundreds of engines' executables (and their memory maps) accumulated to a
+  native crash late in the run. Later modules reload what they need from the persistent cache."""
+  yield
+  jax.clear_caches()
