@@ -106,13 +106,13 @@ def quantize_weights(config: ModelConfig, params: dict, quantization: str | None
   done = lambda x: isinstance(x, (QArray, GroupwiseArray))
   if quantization in (None, "gguf") or any(map(done, jax.tree.leaves(params, is_leaf=done))):
     return params
-  kernels = linear_kernels(config, int8_transposed)
+  kernels, declared = linear_kernels(config, int8_transposed), linear_kernels(config)
   calibrate = lambda: dict(model=CausalLM(config), calibration=_calibration(tokenizer))
   if quantization == "w8a8" and options["smoothquant"]:
-    params = smooth_model(params, linear_kernels(config), alpha=options["alpha"], **calibrate())
+    params = smooth_model(params, declared, alpha=options["alpha"], **calibrate())
   if quantization == "int4":
     needs = options["method"] != "rtn"
-    params = quantize_model(params, linear_kernels(config), method=options["method"],
+    params = quantize_model(params, declared, method=options["method"],
                             group_size=options["group_size"], sym=options["sym"],
                             **(calibrate() if needs else {}))
   # What is still float among the linear kernels goes int8 (for int4: the embedding / head).
