@@ -36,6 +36,14 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+  """`-n auto` (pyproject's addopts): one worker per core, at most four. Each worker holds its
+  files' engines and up to a few GB of compiled steps; more than four paid little on a
+  compile-bound suite and would crowd a small machine's memory."""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return max(1, min(cores or 1, 4))
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
   from jinfer.weights.builtin import builtin_gguf_path
@@ -90,8 +98,9 @@ def hf_smollm2_model(smollm2_gguf):
 
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_steps():
-  """After each test module, drop JAX's in-memory compiled executables: one process runs the
-  whole suite, and hundreds of engines' executables (and their memory maps) accumulated to a
-  native crash late in the run. Later modules reload what they need from the persistent cache."""
+  """After each test module, drop JAX's in-memory compiled executables: one process runs many
+  files, and hundreds of engines' executables (and their memory maps) accumulated to a native
+  crash late in a one-process run. Later modules reload what they need from the persistent
+  cache."""
   yield
   jax.clear_caches()

@@ -70,7 +70,9 @@ def test_varied_output_lengths_keep_the_prompts():
     RandomWorkload(output_len=8, output_len_min=9)
 
 
-@pytest.mark.parametrize("continuous", [pytest.param(True, marks=pytest.mark.slow), False])
+# Quick: test_varied_output_lengths_keep_the_prompts (the workload), test_generate_cli_* (the CLI).
+@pytest.mark.slow
+@pytest.mark.parametrize("continuous", [True, False])
 def test_bench_cli_varied_output_lengths(tiny_model_dir, tmp_path, capsys, continuous):
   out = tmp_path / "bench.json"
   main(["bench", "--model", tiny_model_dir, "--num-prompts", "6", "--input-len-min", "4",

@@ -33,6 +33,7 @@ def test_quickstart(tiny_model_dir):
   assert len(lines) == 3 and all("-> '" in l and "(4 tokens, length)" in l for l in lines), out
 
 
+@pytest.mark.slow  # quick: test_quickstart and test_async_streaming run examples the same way
 def test_offline_batch_is_reproducible(tiny_model_dir):
   out = run_example("offline_batch.py", "--model", tiny_model_dir, "--num-prompts", "6",
                     "--max-tokens", "4", "--no-warmup")

@@ -137,8 +137,10 @@ def _quantized_dir(src: str, dst: str, method: str, sym: bool) -> str:
   return dst
 
 
-@pytest.mark.parametrize("method, sym", [
-    ("awq", False), *[pytest.param("gptq", sym, marks=pytest.mark.slow) for sym in (True, False)]])
+# Slow: ~10 s of engines. Quick: test_quantized_checkpoints reads these formats into the same
+# `GroupwiseArray`s, and test_int4_runs_its_own_weights_exactly runs them in the engine.
+@pytest.mark.slow
+@pytest.mark.parametrize("method, sym", [("awq", False), ("gptq", True), ("gptq", False)])
 def test_awq_and_gptq_checkpoints_run_int4(tiny_model_dir, tmp_path, method, sym):
   """Loaded as int4 (never through float), they run what a float model with the hand-dequantized
   weights runs."""
