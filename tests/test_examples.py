@@ -44,6 +44,7 @@ def test_offline_batch_is_reproducible(tiny_model_dir):
   assert out.rstrip().endswith("second run, reversed order: the same tokens"), out
 
 
+@pytest.mark.slow  # quick: test_quickstart runs an example the same way; streaming: test_async_engine
 def test_async_streaming(tiny_model_dir):
   out = run_example("async_streaming.py", "--model", tiny_model_dir, "--max-tokens", "4",
                     "--no-warmup")

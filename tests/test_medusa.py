@@ -99,7 +99,9 @@ def _apply(model):
 _models = {}
 
 
-@pytest.mark.parametrize("attention", ["xla", "reference"])
+# [xla] slow: the same rows through the XLA backend; test_ragged_paged_attention checks it
+# against the reference on tree masks (verify_trees cases), quick.
+@pytest.mark.parametrize("attention", [pytest.param("xla", marks=pytest.mark.slow), "reference"])
 def test_tree_rows_equal_decoding_each_path_alone(tiny_model, attention):
   """For random trees: each node's logits equal those of its path decoded one token at a time
   (<= 1e-4); after moving an accepted path's K/V, the next token's logits equal sequential

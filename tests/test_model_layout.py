@@ -124,6 +124,7 @@ def test_quantized_weights_are_a_leaf_type_with_per_layer_channels():
   assert np.abs(got[0] - want).max() < 0.05 * np.abs(want).max()
 
 
+@pytest.mark.slow  # quick: test_int8_matmul runs both layouts against the reference
 def test_quantized_kernels_stored_outputs_first_give_the_same_logits():
   """`linear_kernels(..., transposed=True)` (the CPU's layout) stores the same int8 values
   `[L, out..., in...]`; the model reads either layout to the same logits."""

@@ -187,7 +187,10 @@ def test_random_aborts_during_speculation_leak_no_pages(spec_engine):
   _no_leaks(spec_engine)
 
 
-@pytest.mark.parametrize("method", ["ngram", pytest.param("other", marks=pytest.mark.slow)])
+# Slow (~20 s of warmup): quick, test_engine's and test_kv_cache_quantization's no-compile tests
+# hold for the plain step, and test_stops_and_logprobs_as_without_speculation runs verify steps.
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "other"])
 def test_no_compiles_after_warmup(engines, method):
   eng = engines[method]
   eng._warmup()  # what was not compiled yet: every bucket's plain and verify variants
