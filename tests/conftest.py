@@ -14,6 +14,8 @@ import pytest
 # Nothing may reach a model hub; set before any test module imports transformers.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# jinfer's log lines reach the tests' log capture (caplog) instead of a stderr handler of its own.
+os.environ["JINFER_CONFIGURE_LOGGING"] = "0"
 
 import jax  # noqa: E402
 

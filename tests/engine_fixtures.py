@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import jax
 import numpy as np
@@ -62,11 +63,13 @@ def tiny_hf_dir(path: str) -> str:
 
 
 class CompileCounter:
-  """Counts XLA backend compiles from the moment it is made (a hit in the persistent compilation
-  cache is not a compile)."""
+  """Counts XLA backend compiles on this thread (the one that runs the steps) from the moment it
+  is made; an engine's background compiler runs on its own thread and is not counted. A hit in
+  the persistent compilation cache is not a compile."""
 
   def __init__(self):
     self.compiles = self.cache_hits = 0
+    self._thread = threading.get_ident()
     jax.monitoring.register_event_duration_secs_listener(self._on_duration)
     jax.monitoring.register_event_listener(self._on_event)
 
@@ -75,12 +78,15 @@ class CompileCounter:
     return self.compiles - self.cache_hits
 
   def _on_duration(self, event: str, duration: float, **_):
-    if event == "/jax/core/compile/backend_compile_duration":
+    if event == "/jax/core/compile/backend_compile_duration" and self._here():
       self.compiles += 1
 
   def _on_event(self, event: str, **_):
-    if event == "/jax/compilation_cache/cache_hits":
+    if event == "/jax/compilation_cache/cache_hits" and self._here():
       self.cache_hits += 1
+
+  def _here(self) -> bool:
+    return threading.get_ident() == self._thread
 
 
 # A small engine: buckets of 1 to 8 tokens (long prompts are chunked) and a pool of 32 pages of 4

@@ -25,6 +25,7 @@ LAYERS = [
     # checkpoint formats sit here too, so that the engine's config can name them.
     ["jinfer.engine.request", "jinfer.engine.block_manager", "jinfer.engine.scheduler",
      "jinfer.engine.step_input", "jinfer.engine.engine_config", "jinfer.engine.compilation_cache",
+     "jinfer.engine.step_compiler", "jinfer.engine.compile_guard",
      "jinfer.engine.expert_load", "jinfer.engine.speculative.config",
      "jinfer.engine.speculative.medusa_heads", "jinfer.engine.speculative.draft_checkpoint",
      "jinfer.engine.speculative.stats"],

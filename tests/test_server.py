@@ -476,6 +476,9 @@ def test_metrics(server, client):
     assert families[gauge].type == "gauge"
   assert 0 < value("jinfer_prefix_cache_hit_rate") <= 1  # the same prompt came many times
   assert families["jinfer_num_preemptions"].type == "counter"
+  # Requests served while the background compiler was (or had been) at work: none compiled.
+  assert value("jinfer_compiles_after_startup", "_total") == 0
+  assert 2 <= value("jinfer_step_buckets_compiled") <= server.engine.stats().buckets_total
   reasons = {s.labels["finished_reason"]: s.value
              for s in families["jinfer_requests_finished"].samples}
   assert reasons["length"] >= 2 and set(reasons) <= {"stop", "length", "abort", "error"}

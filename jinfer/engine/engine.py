@@ -13,11 +13,13 @@ import numpy as np
 from jinfer.config import ModelConfig
 from jinfer.engine import compilation_cache
 from jinfer.engine.block_manager import BlockManager
+from jinfer.engine.compile_guard import CompileGuard, CompileOnServingPath
 from jinfer.engine.engine_config import EngineConfig, default_dtype
 from jinfer.engine.expert_load import ExpertLoad
 from jinfer.engine.request import CompletionOutput, RequestMetrics, RequestOutput, Sequence
 from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import ScheduledBatch, Scheduler
+from jinfer.engine.step_compiler import StepCompiler
 from jinfer.engine.step_input import MAX_BANNED, RowError, StepInput, build_step_input
 from jinfer.engine import weight_quantization
 from jinfer.parallel.mesh import make_mesh
@@ -66,6 +68,11 @@ class EngineStats:
   # how many pages of the cache fit in a GiB.
   kv_bytes_per_token: int
   kv_pages_per_gib: float
+  # Compiles (or loads from the compilation cache) on the serving path after startup: each one
+  # stalled every request; the recompile guard logs them with the step's shape.
+  compiles_after_startup: int = 0
+  buckets_compiled: int = 0  # of buckets_total token buckets (the rest compile in the background)
+  buckets_total: int = 0
   expert_load: ExpertLoad | None = None  # MoE models: tokens routed to each expert so far
   spec: SpecStats | None = None  # speculative decoding, when on
 
@@ -90,6 +97,8 @@ class LLMEngine:
     self.load_seconds = time.monotonic() - t0
     log.info("loaded %s in %.1f s", model, self.load_seconds)
     self._build(model_config, params, tokenizer, config, dtype, warmup)
+    log.info("%s ready in %.1f s (loading %.1f s, compiling %.1f s)", model,
+             time.monotonic() - t0, self.load_seconds, self.warmup_seconds)
 
   @classmethod
   def from_parts(cls, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None, *,
@@ -166,6 +175,11 @@ class LLMEngine:
     self.num_steps = self.prompt_tokens = self.generation_tokens = 0
     self.expert_tokens = (np.zeros((len(model_config.moe_layer_ids), model_config.num_experts),
                                    np.int64) if model_config.moe_layer_ids else None)
+    self.compiler = StepCompiler(self.buckets.token_buckets, self._compile_bucket)
+    self.guard = CompileGuard()
+    # Compiled ahead (warmup): steps keep to the compiled buckets, and the guard counts any
+    # compile on the serving path. Without warmup, steps compile lazily on first use (tests).
+    self._ahead = warmup
     self.warmup_seconds = self._warmup() if warmup else 0.0
 
   def save_quantized(self, path: str, source: str | None = None) -> None:
@@ -179,14 +193,45 @@ class LLMEngine:
     weight_quantization.save(path, self.runner.stacked_params, source=source or self.model_name,
                              quantization=m.quantization, quantization_config=m.quantization_config)
 
-  def _warmup(self) -> float:
+  def _compile_bucket(self, t: int) -> float:
+    """Compile every step of token bucket `t` ahead of time; returns seconds."""
     t0 = time.monotonic()
-    if self.proposer is None:
-      self.runner.warmup(self.config.model.enable_prompt_logprobs)
-    else:
-      self.runner.warmup(self.config.model.enable_prompt_logprobs, self.proposer.empty_drafts)
-      self.proposer.warmup(self.buckets.token_buckets)
+    drafts = self.proposer.empty_drafts(self.buckets.num_seqs(t)) if self.proposer else None
+    for shape in self.buckets.shapes(self.config.model.enable_prompt_logprobs):
+      if shape[0] == t:
+        self.runner.compile(shape, drafts if shape[2] else None)
+    if self.proposer is not None:
+      self.proposer.compile(t)
     return time.monotonic() - t0
+
+  def _warmup(self) -> float:
+    """Compile the startup buckets (all of them without `compile_in_background`), then start
+    compiling the rest in the background; returns seconds."""
+    t0 = time.monotonic()
+    c = self.compiler
+    shapes = self.buckets.shapes(self.config.model.enable_prompt_logprobs)
+    log.info("%d step buckets %s, %d compiled programs%s%s", len(c.buckets), c.buckets,
+             len(shapes), f" (steps of at most {self.runner.unrolled_max_tokens} tokens "
+             f"unrolled)" if self.runner.unrolled_max_tokens else "",
+             " and the draft model's passes" if hasattr(self.proposer, "_propose") else "")
+    if self.config.kernels.compile_in_background:
+      c.compile(c.startup_buckets)
+      took = time.monotonic() - t0
+      rest = len(c.buckets) - len(c.ready)
+      if rest:
+        log.info("serving with buckets %s after %.1f s; %d more compile in the background",
+                 c.ready, took, rest)
+      c.start()
+    else:
+      c.wait()
+      took = time.monotonic() - t0
+      log.info("every bucket compiled in %.1f s", took)
+    self._ahead = True
+    return took
+
+  def wait_until_compiled(self) -> None:
+    """Return once every step bucket is compiled (the background compiler's work done)."""
+    self.compiler.wait()
 
   # -- requests -----------------------------------------------------------------------------
   def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -269,7 +314,9 @@ class LLMEngine:
     return bool(self.groups)
 
   def close(self):
-    """Release the other processes of a multi-process mesh (a no-op otherwise)."""
+    """Stop compiling in the background, and release the other processes of a multi-process
+    mesh."""
+    self.compiler.close()
     self.runner.close()
 
   def running_request_ids(self) -> set[str]:
@@ -278,9 +325,33 @@ class LLMEngine:
 
   # -- the loop -----------------------------------------------------------------------------
   def step(self) -> list[RequestOutput]:
-    batch = self.scheduler.schedule()
+    c = self.compiler if self._ahead and not self.compiler.done else None
+    # Until every bucket is compiled, a step fits the largest compiled one.
+    batch = self.scheduler.schedule(None if c is None else c.largest)
     if not batch.seqs:
       return []
+    if self._ahead and not self.guard.armed:
+      self.guard.arm()  # on the thread that runs the steps
+    compiles = self.guard.count
+    try:
+      return self._step(batch, c)
+    finally:
+      if self.guard.count != compiles:
+        self._compiled_on_serving_path(self.guard.count - compiles, batch)
+
+  def _compiled_on_serving_path(self, n: int, batch: ScheduledBatch):
+    shape = (f"{batch.num_tokens} tokens of {len(batch.seqs)} sequences"
+             f"{', verify' if any(batch.num_drafts) else ''}")
+    log.warning("%d compile(s) on the serving path after startup, in a step of %s (bucket %d): "
+                "%s", n, shape, self.buckets.pick(batch.num_tokens),
+                ", ".join(self.guard.names[-n:]))
+    if self.config.kernels.strict_compiles:
+      raise CompileOnServingPath(f"{n} compile(s) in a step of {shape} after startup "
+                                 f"(strict_compiles)")
+
+  def _step(self, batch: ScheduledBatch, c: StepCompiler | None) -> list[RequestOutput]:
+    if c is not None and batch.num_tokens >= c.largest:
+      c.want(2 * c.largest)  # chunked, or the batch held back, for want of a larger bucket
     t_step = time.monotonic()
     touched: dict[str, _Group] = {}
     resets = self._cache_resets()
@@ -289,7 +360,7 @@ class LLMEngine:
       if self.proposer is not None:
         t0 = time.monotonic()
         self._fill_drafts(batch)
-      inp = self._build_step_input(batch, touched)
+      inp = self._build_step_input(batch, touched, c)
       if inp is None:
         return self._emit(touched.values())
       if self.proposer is not None:
@@ -395,13 +466,20 @@ class LLMEngine:
         self.groups.pop(o.request_id, None)
     return outputs
 
-  def _build_step_input(self, batch: ScheduledBatch,
-                        failed: dict[str, _Group]) -> StepInput | None:
-    """The step's input. A sequence whose row cannot be built fails alone and leaves the batch,
-    as a failed device step fails only the requests it ran; None when no sequence is left."""
+  def _build_step_input(self, batch: ScheduledBatch, failed: dict[str, _Group],
+                        compiler: StepCompiler | None) -> StepInput | None:
+    """The step's input, in the smallest (compiled) bucket that holds it. A sequence whose row
+    cannot be built fails alone and leaves the batch, as a failed device step fails only the
+    requests it ran; None when no sequence is left."""
+    pick = None
+    if compiler is not None:
+      def pick(num_tokens: int) -> int:
+        compiler.want(num_tokens)
+        return compiler.pick(num_tokens)
     while batch.seqs:
       try:
-        return build_step_input(batch, self.buckets, self.config.cache.page_size, self.eos_ids)
+        return build_step_input(batch, self.buckets, self.config.cache.page_size, self.eos_ids,
+                                pick)
       except RowError as e:
         log.error("dropped a sequence from the step", exc_info=e)
         seq = batch.seqs.pop(e.index)
@@ -544,6 +622,8 @@ class LLMEngine:
         weight_bytes=self.runner.weight_bytes, kv_cache_bytes=self.runner.kv_cache_bytes,
         kv_bytes_per_token=spec.bytes_per_token,
         kv_pages_per_gib=2**30 / (spec.bytes_per_token * spec.page_size),
+        compiles_after_startup=self.guard.count, buckets_compiled=len(self.compiler.ready),
+        buckets_total=len(self.compiler.buckets),
         expert_load=(None if self.expert_tokens is None else
                      ExpertLoad.of(self.model_config.moe_layer_ids, self.expert_tokens)),
         spec=self.spec_stats.copy() if self.spec_stats is not None else None)

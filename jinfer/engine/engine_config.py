@@ -104,6 +104,13 @@ class KernelConfig:
   # Keep compiled steps on disk (JAX's persistent compilation cache, see compilation_cache.py),
   # so the next process with the same model and options compiles nothing.
   compilation_cache: bool = True
+  # Startup compiles the smallest step bucket and one prefill bucket, then serves while a
+  # background thread compiles the rest (steps keep to compiled buckets meanwhile: long prompts
+  # are chunked, small batches padded). False: every bucket is compiled before serving.
+  compile_in_background: bool = True
+  # Raise after a step that compiled anything after startup (the recompile guard counts and
+  # logs such compiles in any case): for tests and CI.
+  strict_compiles: bool = False
 
 
 SECTIONS = {"model": ModelOptions, "cache": CacheConfig, "scheduler": SchedulerConfig,

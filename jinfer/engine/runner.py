@@ -1,6 +1,7 @@
 """Owns the params and the KV cache on device, and runs the one jitted step."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -186,15 +187,33 @@ class ModelRunner:
       return self._run(inp, drafts)
     # A shape's first run compiles it (or loads it from the persistent cache): say so, since it
     # takes seconds.
+    with self._preparing(shape):
+      return self._run(inp, drafts)
+
+  @contextlib.contextmanager
+  def _preparing(self, shape: tuple[int, bool, bool]):
+    """Logs a step shape's compile (or load from the persistent cache), which takes seconds."""
     what = " with prompt logprobs" if shape[1] else " verify" if shape[2] else ""
-    log.info("compiling the %d-token%s step (kept in the compilation cache) ...", shape[0], what)
+    log.info("preparing the %d-token%s step ...", shape[0], what)
     t0, hits = time.monotonic(), compilation_cache.cache_hits()
-    out = self._run(inp, drafts)
+    yield
     self._shapes_run.add(shape)
     log.info("%d-token%s step %s in %.1f s", shape[0], what, "compiled" if hits ==
              compilation_cache.cache_hits() else "loaded from the compilation cache",
              time.monotonic() - t0)
-    return out
+
+  def compile(self, shape: tuple[int, bool, bool], drafts: jax.Array | None = None) -> None:
+    """Compile the step of `shape` (T, prompt_logprobs, verify) ahead of time, without running
+    it: safe on another thread while steps run. `drafts`: as `run`'s, for a verify shape."""
+    if shape in self._shapes_run:
+      return
+    t, prompt_lp, verify = shape
+    b = self.buckets
+    v = self.variant(t)
+    with self._preparing(shape):
+      v.step.lower(v.params, self.kv_cache,
+                   to_step_input(empty_step_input(b, t, prompt_lp, verify), b), drafts,
+                   self.in_step_weights).compile()
 
   def variant(self, num_tokens: int) -> Variant:
     """What a step of `num_tokens` (a bucket) runs."""
@@ -244,16 +263,15 @@ class ModelRunner:
   def warmup(self, with_prompt_logprobs: bool = False,
              empty_drafts: Callable[[int], jax.Array | None] = lambda s: None,
              buckets: Collection[int] | None = None) -> float:
-    """Compile every bucket (or those of `buckets` tokens) by running an all-padding step of
-    each shape; returns seconds. `empty_drafts(S)`: stand-in device drafts for verify steps,
-    when a device proposer has them."""
+    """Compile every bucket (or those of `buckets` tokens), ahead of time; returns seconds.
+    `empty_drafts(S)`: stand-in device drafts for verify steps, when a device proposer has
+    them."""
     t0 = time.monotonic()
     b = self.buckets
-    for t, prompt_lp, verify in b.shapes(with_prompt_logprobs):
-      if buckets is not None and t not in buckets:
-        continue
-      self.run(to_step_input(empty_step_input(b, t, prompt_lp, verify), b),
-               empty_drafts(b.num_seqs(t)) if verify else None)
+    for shape in b.shapes(with_prompt_logprobs):
+      t, _, verify = shape
+      if buckets is None or t in buckets:
+        self.compile(shape, empty_drafts(b.num_seqs(t)) if verify else None)
     return time.monotonic() - t0
 
   @property

@@ -131,9 +131,10 @@ class Scheduler:
       seq.metrics.first_scheduled_time = time.monotonic()
     self.running.append(seq)
 
-  def schedule(self) -> ScheduledBatch:
+  def schedule(self, max_tokens: int | None = None) -> ScheduledBatch:
+    """`max_tokens`: a smaller token budget for this step (the largest step compiled so far)."""
     cfg = self.config
-    budget = cfg.max_num_batched_tokens
+    budget = min(cfg.max_num_batched_tokens, max_tokens or cfg.max_num_batched_tokens)
     seqs: list[Sequence] = []
     counts: list[int] = []
     drafts: list[int] = []

@@ -17,6 +17,7 @@ positions by depth and see their ancestors (the tree mask), see `jinfer/sampling
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import numpy as np
@@ -147,13 +148,15 @@ def to_step_input(a: dict, b: Buckets) -> StepInput:
 
 
 def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
-                     eos_ids: tuple[int, ...]) -> StepInput:
+                     eos_ids: tuple[int, ...],
+                     pick: Callable[[int], int] | None = None) -> StepInput:
+  """`pick(num_tokens)`: the bucket to run in (default `b.pick`: the smallest that holds it)."""
   n_tok = batch.num_tokens
   # A draft model's own pass over the batch leaves out the drafts and adds the tokens it lags
   # behind; its rows must fit the same bucket.
   n_draft = sum(n - m + s.draft_lag for s, n, m in zip(batch.seqs, batch.num_new_tokens,
                                                        batch.num_drafts))
-  t = b.pick(max(n_tok, n_draft, len(batch.seqs)))
+  t = (pick or b.pick)(max(n_tok, n_draft, len(batch.seqs)))
   want_prompt_lp = any(
       s.params.prompt_logprobs is not None and s.num_computed_tokens < len(s.prompt_token_ids)
       for s in batch.seqs)

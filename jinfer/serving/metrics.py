@@ -106,6 +106,12 @@ class ServerMetrics:
     metric("jinfer_generation_tokens_total", "counter", "Tokens generated.",
            s.generation_tokens)
     metric("jinfer_engine_steps_total", "counter", "Engine steps run.", s.num_steps)
+    metric("jinfer_compiles_after_startup_total", "counter",
+           "XLA compiles (or compilation cache loads) on the serving path after startup; each "
+           "stalled every request (the log names the step's shape).", s.compiles_after_startup)
+    metric("jinfer_step_buckets_compiled", "gauge",
+           "Token buckets compiled so far (the rest compile in the background).",
+           s.buckets_compiled)
     if s.spec is not None:  # speculative decoding, named as vLLM names it
       sp = s.spec
       metric("jinfer_spec_decode_num_drafts_total", "counter",

@@ -196,18 +196,16 @@ class DraftModelProposer(Proposer):
   def cache_resets(self) -> int:
     return self._cache_resets
 
-  def warmup(self, shapes: list[int]) -> None:
+  def compile(self, t: int) -> None:
     b = self.buckets
-    for t in shapes:
-      inp = to_step_input(empty_step_input(b, t, verify=True), b)
-      d = self._input(ScheduledBatch([], []), inp)
-      for speculating in (True, False):
-        t0 = time.monotonic()
-        _, self.kv_cache = self._propose(speculating, self.params, self.head, self.vocab,
-                                         self.kv_cache, d, inp.sampling,
-                                         inp.verify.tensors.ban_rows)
-        log.info("draft model %d-token %s pass ready in %.1f s", t,
-                 "proposal" if speculating else "catch-up", time.monotonic() - t0)
+    inp = to_step_input(empty_step_input(b, t, verify=True), b)
+    d = self._input(ScheduledBatch([], []), inp)
+    for speculating in (True, False):
+      t0 = time.monotonic()
+      self._propose.lower(speculating, self.params, self.head, self.vocab, self.kv_cache, d,
+                          inp.sampling, inp.verify.tensors.ban_rows).compile()
+      log.info("draft model %d-token %s pass ready in %.1f s", t,
+               "proposal" if speculating else "catch-up", time.monotonic() - t0)
 
   def empty_drafts(self, num_seqs: int) -> jax.Array:
     return jnp.zeros((num_seqs, self.k), jnp.int32)

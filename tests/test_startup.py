@@ -1,0 +1,77 @@
+"""Startup that serves before every step is compiled: the engine answers from the startup buckets
+while the rest compile in the background, in the order the traffic asks for them, with the same
+tokens as an engine that had everything compiled, and nothing ever compiles on the serving path;
+the recompile guard counts, logs and (strict) refuses what does."""
+from __future__ import annotations
+
+import logging
+
+import jax
+import pytest
+
+from jinfer.engine.compile_guard import CompileOnServingPath
+from jinfer.engine.step_compiler import StepCompiler
+from jinfer.sampling.params import SamplingParams
+from tests.engine_fixtures import CompileCounter, make_engine, random_prompts, run_tokens
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+# Buckets 1, 2, 4, 8, 16, 32, 64, 128; startup compiles 1 and 64.
+OPTIONS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  return random_prompts(8, seed=3, lo=5, hi=200)  # the long ones take several 64-token chunks
+
+
+@pytest.fixture(scope="module")
+def want(tiny_model, prompts):
+  """Every bucket at hand (compiled lazily, as each is first used)."""
+  return run_tokens(make_engine(tiny_model, warmup=False, **OPTIONS), prompts, GREEDY)
+
+
+def test_serves_from_the_startup_buckets_then_the_rest_as_they_compile(tiny_model, prompts, want):
+  eng = make_engine(tiny_model, warmup=False, strict_compiles=True, **OPTIONS)
+  c = eng.compiler
+  # The background compiler starts when this test says, so the first requests are served with
+  # the startup buckets only, deterministically.
+  c.start = lambda: None
+  counter = CompileCounter()  # this thread: the serving path
+  eng._warmup()
+  assert c.ready == c.startup_buckets == [1, 64]
+
+  assert run_tokens(eng, prompts, GREEDY) == want  # prompts chunked to 64, decode padded to 64
+  assert c.ready == [1, 64]
+  asked = dict(c._demand)
+  assert asked[128] and asked[8]  # chunked prefill; eight sequences decoding
+
+  StepCompiler.start(c)  # served while the background compiles, then after
+  assert run_tokens(eng, prompts[::-1], GREEDY) == want[::-1]
+  eng.wait_until_compiled()
+  assert c.done and c.ready == c.buckets
+  background = list(c.seconds)[2:]  # in the order they were compiled
+  assert background[0] == max(asked, key=lambda t: (asked[t], -t)), (background, asked)
+  assert run_tokens(eng, prompts, GREEDY) == want
+  assert counter.count == 0 and eng.stats().compiles_after_startup == 0
+  s = eng.stats()
+  assert (s.buckets_compiled, s.buckets_total) == (8, 8)
+
+
+def test_the_guard_counts_logs_and_in_strict_mode_refuses_a_compile_on_the_serving_path(
+    tiny_model, prompts, caplog):
+  for strict in (False, True):
+    eng = make_engine(tiny_model, compile_in_background=False, strict_compiles=strict,
+                      **OPTIONS)
+    assert eng.compiler.done
+    run_tokens(eng, prompts[:2], GREEDY)
+    assert eng.stats().compiles_after_startup == 0
+    jax.clear_caches()  # the compiled steps are gone: the next step must load them again
+    eng.add_request(None, prompts[0], GREEDY)
+    if strict:
+      with pytest.raises(CompileOnServingPath, match="strict_compiles"):
+        eng.step()
+    else:
+      with caplog.at_level(logging.WARNING, logger="jinfer.engine.engine"):
+        eng.run_to_completion()
+      assert "on the serving path after startup" in caplog.text
+    assert eng.stats().compiles_after_startup > 0
