@@ -1,4 +1,8 @@
 """jinfer: a JAX/Pallas LLM inference library for TPU and GPU."""
+from jinfer import logs as _logs
+
+_logs.configure()  # progress lines on stderr at INFO, unless the application configured them
+
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.request import CompletionOutput, RequestOutput

@@ -5,6 +5,7 @@ import argparse
 import logging
 import sys
 
+from jinfer import logs
 from jinfer.serving.options import ServerOptions
 from jinfer.loader import DEFAULT_MODEL
 
@@ -85,12 +86,9 @@ def _engine_config(args, **override):
 
 def _engine(args):
   from jinfer.engine.engine import LLMEngine
-  # One-shot commands compile lazily: warming every bucket costs more than it saves here. The
-  # one-token step is compiled up front all the same: lazily, its progress line would land in
-  # the middle of the answer being streamed.
-  engine = LLMEngine(args.model, config=_engine_config(args), warmup=False)
-  engine.runner.warmup(buckets=(1,))
-  return engine
+  # One-shot commands run in the startup buckets only (a long prompt is chunked to them):
+  # compiling every bucket costs more than it saves here.
+  return LLMEngine(args.model, config=_engine_config(args), warmup="never")
 
 
 def _params(args):
@@ -329,13 +327,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None):
   args = parser().parse_args(argv)
-  if not args.quiet and args.command != "serve":  # the server configures its own logging
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("jinfer: %(message)s"))
-    logger = logging.getLogger("jinfer")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False  # a root handler (importing orbax installs one) would print it again
+  logs.configure(logging.WARNING if args.quiet else logging.INFO)
   try:
     args.fn(args)
   except (ValueError, FileNotFoundError, RuntimeError) as e:

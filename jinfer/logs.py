@@ -14,9 +14,10 @@ import sys
 FORMAT = "jinfer: %(message)s"
 
 
-def configure(level: str | int | None = None) -> None:
+def configure(level: str | int | None = None, fmt: str = FORMAT) -> None:
   """Give the "jinfer" logger its stderr handler, at `level` (default: `JINFER_LOGGING_LEVEL`,
-  else INFO). Without `level`, an application's own configuration is left as it is."""
+  else INFO), lines formatted by `fmt`. Without `level`, an application's own configuration is
+  left as it is."""
   logger = logging.getLogger("jinfer")
   if level is None:
     if (os.environ.get("JINFER_CONFIGURE_LOGGING", "1") == "0" or logger.handlers
@@ -24,8 +25,8 @@ def configure(level: str | int | None = None) -> None:
       return
     level = os.environ.get("JINFER_LOGGING_LEVEL", "INFO").upper()
   if not logger.handlers:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(FORMAT))
-    logger.addHandler(handler)
+    logger.addHandler(logging.StreamHandler(sys.stderr))
+  for handler in logger.handlers:
+    handler.setFormatter(logging.Formatter(fmt))
   logger.setLevel(level)
   logger.propagate = False  # a root handler (importing orbax installs one) would print it again

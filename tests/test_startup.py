@@ -5,6 +5,10 @@ the recompile guard counts, logs and (strict) refuses what does."""
 from __future__ import annotations
 
 import logging
+import os
+import re
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -37,7 +41,7 @@ def test_serves_from_the_startup_buckets_then_the_rest_as_they_compile(tiny_mode
   # the startup buckets only, deterministically.
   c.start = lambda: None
   counter = CompileCounter()  # this thread: the serving path
-  eng._warmup()
+  eng.warmup()
   assert c.ready == c.startup_buckets == [1, 64]
 
   assert run_tokens(eng, prompts, GREEDY) == want  # prompts chunked to 64, decode padded to 64
@@ -75,3 +79,22 @@ def test_the_guard_counts_logs_and_in_strict_mode_refuses_a_compile_on_the_servi
         eng.run_to_completion()
       assert "on the serving path after startup" in caplog.text
     assert eng.stats().compiles_after_startup > 0
+
+
+@pytest.mark.parametrize("level", [None, "WARNING"])
+def test_the_python_api_says_what_it_loads_and_how_long_it_took(tiny_model_dir, level):
+  env = {**os.environ, "JINFER_CONFIGURE_LOGGING": "1"}  # as a user's process has it
+  env.pop("JINFER_LOGGING_LEVEL", None)
+  if level:
+    env["JINFER_LOGGING_LEVEL"] = level
+  code = f"from jinfer import LLM; LLM({tiny_model_dir!r}, warmup=False)"
+  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  said = [line for line in proc.stderr.splitlines() if line.startswith("jinfer: ")]
+  if level:
+    assert not said, said
+  else:
+    assert any(line.startswith("jinfer: loading ") for line in said), said
+    assert re.search(r"^jinfer: \S+ ready in [\d.]+ s \(loading [\d.]+ s, compiling ",
+                     proc.stderr, re.M), said

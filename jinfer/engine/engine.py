@@ -80,10 +80,12 @@ class EngineStats:
 class LLMEngine:
   """`model`: a built-in name, an HF directory or a .gguf file. `skip_tokenizer_init` serves
   token-id prompts only (outputs carry token ids and no text), for a model directory without a
-  tokenizer. `LLMEngine.from_parts` builds one from a config, params and tokenizer in hand."""
+  tokenizer. `LLMEngine.from_parts` builds one from a config, params and tokenizer in hand.
+  `warmup`: True compiles the steps ahead (see `warmup`; a string is its `rest`), False leaves
+  each step to compile when first run."""
 
   def __init__(self, model: str = DEFAULT_MODEL, *, dtype=None,
-               config: EngineConfig | None = None, warmup: bool = True,
+               config: EngineConfig | None = None, warmup: bool | str = True,
                skip_tokenizer_init: bool = False):
     config = config or EngineConfig()
     dtype = dtype or default_dtype()
@@ -102,7 +104,7 @@ class LLMEngine:
 
   @classmethod
   def from_parts(cls, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None, *,
-                 config: EngineConfig | None = None, dtype=None, warmup: bool = True,
+                 config: EngineConfig | None = None, dtype=None, warmup: bool | str = True,
                  devices: list | None = None) -> "LLMEngine":
     """An engine over params already loaded (stacked layout, see `jinfer.models`); `devices`:
     the ones its mesh uses (default: the first tensor x context parallel size of them)."""
@@ -113,7 +115,7 @@ class LLMEngine:
     return self
 
   def _build(self, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None,
-             config: EngineConfig, dtype, warmup: bool, devices: list | None = None):
+             config: EngineConfig, dtype, warmup: bool | str, devices: list | None = None):
     self.model_config, self.tokenizer = model_config, tokenizer
     self.config = config = config.resolve(model_config, dtype)
     if config.kernels.compilation_cache:
@@ -180,7 +182,7 @@ class LLMEngine:
     # Compiled ahead (warmup): steps keep to the compiled buckets, and the guard counts any
     # compile on the serving path. Without warmup, steps compile lazily on first use (tests).
     self._ahead = warmup
-    self.warmup_seconds = self._warmup() if warmup else 0.0
+    self.warmup_seconds = (self.warmup(None if warmup is True else warmup) if warmup else 0.0)
 
   def save_quantized(self, path: str, source: str | None = None) -> None:
     """Save the quantized weights this engine runs under directory `path`; `LLM(path)` loads
@@ -204,9 +206,11 @@ class LLMEngine:
       self.proposer.compile(t)
     return time.monotonic() - t0
 
-  def _warmup(self) -> float:
-    """Compile the startup buckets (all of them without `compile_in_background`), then start
-    compiling the rest in the background; returns seconds."""
+  def warmup(self, rest: str | None = None) -> float:
+    """Compile the startup buckets, and then the rest: "background" (serving meanwhile), "now",
+    or "never" (a one-shot run: steps keep to the startup buckets); default by
+    `compile_in_background`. Returns seconds. From then on steps run only compiled buckets and
+    the recompile guard counts."""
     t0 = time.monotonic()
     c = self.compiler
     shapes = self.buckets.shapes(self.config.model.enable_prompt_logprobs)
@@ -214,18 +218,21 @@ class LLMEngine:
              len(shapes), f" (steps of at most {self.runner.unrolled_max_tokens} tokens "
              f"unrolled)" if self.runner.unrolled_max_tokens else "",
              " and the draft model's passes" if hasattr(self.proposer, "_propose") else "")
-    if self.config.kernels.compile_in_background:
-      c.compile(c.startup_buckets)
-      took = time.monotonic() - t0
-      rest = len(c.buckets) - len(c.ready)
-      if rest:
-        log.info("serving with buckets %s after %.1f s; %d more compile in the background",
-                 c.ready, took, rest)
-      c.start()
-    else:
+    rest = rest or ("background" if self.config.kernels.compile_in_background else "now")
+    if rest not in ("background", "now", "never"):
+      raise ValueError(f"rest: 'background', 'now' or 'never', not {rest!r}")
+    if rest == "now":
       c.wait()
       took = time.monotonic() - t0
       log.info("every bucket compiled in %.1f s", took)
+    else:
+      c.compile(c.startup_buckets)
+      took = time.monotonic() - t0
+      log.info("serving with buckets %s after %.1f s%s", c.ready, took,
+               f"; {len(c.buckets) - len(c.ready)} more compile in the background"
+               if rest == "background" and not c.done else "")
+      if rest == "background":
+        c.start()
     self._ahead = True
     return took
 

@@ -8,6 +8,7 @@ import socket
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from jinfer import logs
 from jinfer.engine.async_engine import AsyncLLMEngine
 from jinfer.engine.data_parallel import create_engine
 from jinfer.engine.engine import LLMEngine
@@ -84,8 +85,9 @@ def serve(model: str, *, options: ServerOptions = ServerOptions(),
   """Several processes: process 0 serves HTTP; the others run its steps until it stops."""
   # force: importing orbax (absl) has already given the root logger a handler, which would make
   # this a no-op and hide jinfer's INFO lines, the address served included.
-  logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-  logging.getLogger("jinfer").setLevel(logging.INFO)
+  fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+  logging.basicConfig(format=fmt, force=True)
+  logs.configure(logging.INFO, fmt)
   distributed.initialize(distributed_config)
   config = config or EngineConfig()
   if not distributed_config.is_leader:
