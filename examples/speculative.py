@@ -1,5 +1,5 @@
 """Speculative decoding: the same chat questions answered plainly, with n-gram prompt lookup and
-with the distilled draft model shipped in `checkpoints/`; the tokens are the same, and the
+with the distilled draft model shipped with jinfer; the tokens are the same, and the
 acceptance statistics say how many steps speculation saved.
 
     python examples/speculative.py [--model smollm2-135m-instruct] [--methods ngram draft]
@@ -8,18 +8,16 @@ acceptance statistics say how many steps speculation saved.
 A proposer guesses the next k tokens of each sequence; one step of the target model checks them
 all and keeps the longest run it would have produced itself, plus its own next token. Each
 accepted guess is a step saved; nothing about the output changes. The shipped draft
-(`checkpoints/smollm2-135m-draft`) belongs to SmolLM2-135M-Instruct: with another `--model`, use
+(`smollm2-135m-draft`, found by name) belongs to SmolLM2-135M-Instruct: with another `--model`, use
 `--methods ngram`.
 """
 import argparse
 import gc
-import os
 import time
 
 from jinfer import LLM, SamplingParams
 
-DRAFT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints",
-                     "smollm2-135m-draft")
+DRAFT = "smollm2-135m-draft"  # a shipped checkpoint's name resolves from any directory
 QUESTIONS = [
     # Answers that repeat the question's text: prompt lookup shines here.
     "Repeat this list exactly, then say how many items it has: Mercury, Venus, Earth, Mars, "
@@ -49,7 +47,7 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--model", default="smollm2-135m-instruct")
   ap.add_argument("--methods", nargs="+", choices=("ngram", "draft"), default=["ngram", "draft"])
-  ap.add_argument("--draft", default=DRAFT, help="the draft model's checkpoint")
+  ap.add_argument("--draft", default=DRAFT, help="the draft model: a checkpoint's name or path")
   ap.add_argument("--k", type=int, default=3, help="tokens proposed per step")
   ap.add_argument("--max-tokens", type=int, default=64)
   ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,

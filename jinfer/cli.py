@@ -1,4 +1,4 @@
-"""The `jinfer` command: generate, chat, bench, serve."""
+"""The `jinfer` command: generate, chat, bench, quantize, serve, precompile, bench-serve."""
 from __future__ import annotations
 
 import argparse
@@ -64,6 +64,7 @@ def _add_engine_args(p, *, skip: tuple[str, ...] = (), **defaults):
     elif kind.startswith("dict"):
       kw["metavar"] = "JSON"
     groups[section].add_argument(*flags, **kw)
+  p.set_defaults(_engine_skip=skip)
   if SPECULATIVE not in skip:
     p.add_argument_group("engine options: speculative").add_argument(
         "--speculative-config", metavar="JSON", default=defaults.get(SPECULATIVE),
@@ -79,8 +80,14 @@ def _bool(text: str) -> bool:
 
 def _engine_config(args, **override):
   from jinfer.engine.engine_config import SPECULATIVE, EngineConfig, option_fields
+  from jinfer.weights.builtin import resolve_speculative_model
   names = [f.name for _, f in option_fields()] + [SPECULATIVE]
-  options = {n: getattr(args, n) for n in names if hasattr(args, n)}
+  # A command's own flag of an option's name (generate's request --seed, bench's prompt --seed)
+  # is not that engine option.
+  skip = getattr(args, "_engine_skip", ())
+  options = {n: getattr(args, n) for n in names if hasattr(args, n) and n not in skip}
+  if options.get(SPECULATIVE) is not None:
+    options[SPECULATIVE] = resolve_speculative_model(options[SPECULATIVE])
   return EngineConfig.of(**{**options, **override})
 
 
@@ -156,8 +163,8 @@ def cmd_bench(args):
                             input_len_max=args.input_len_max, output_len=args.output_len,
                             output_len_min=args.output_len_min, seed=args.seed)
   config = _engine_config(args, max_model_len=args.max_model_len or workload.max_len)
-  # Warm up every bucket first, so no compile lands inside the timed run.
-  engine = LLMEngine(args.model, config=config, warmup=True)
+  # Every bucket compiled first, so that no compile runs beside the timed run.
+  engine = LLMEngine(args.model, config=config, warmup="now")
   summary = {"model": args.model, **run_offline(engine, workload)}
   text = json.dumps(summary, indent=2)
   print(text)
@@ -174,7 +181,21 @@ def cmd_quantize(args):
         f"{engine.stats().weight_bytes / 2**20:.0f} MiB of weights", file=sys.stderr)
 
 
+# What `jinfer serve` imports beyond the library: the `serve` extra.
+SERVE_EXTRA = ("fastapi", "uvicorn")
+
+
+def _require_serve_extra() -> None:
+  import importlib.util
+  missing = [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
+  if missing:
+    print(f"jinfer serve needs {' and '.join(missing)}, which are not installed; install the "
+          f"serve extra:\n  pip install \"jinfer[serve]\"", file=sys.stderr)
+    sys.exit(1)
+
+
 def cmd_serve(args):
+  _require_serve_extra()
   from jinfer.serving.server import serve
   from jinfer.parallel.distributed import DistributedConfig
   config = _engine_config(args)
@@ -188,6 +209,49 @@ def cmd_serve(args):
       max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout)
   serve(args.model, options=options, served_model_name=args.served_model_name, config=config,
         distributed_config=dist)
+
+
+class _CompileCount:
+  """XLA programs compiled and loaded from the persistent compilation cache from now on."""
+
+  def __init__(self):
+    import jax
+    self.compiled = self.loaded = 0
+    jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+    jax.monitoring.register_event_listener(self._on_event)
+
+  def _on_duration(self, event: str, duration: float, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      self.compiled += 1
+
+  def _on_event(self, event: str, **_):
+    if event == "/jax/compilation_cache/cache_hits":
+      self.loaded += 1
+
+
+def cmd_precompile(args) -> dict:
+  """Build the engine `jinfer serve` would, with its full warmup, so that every step it compiles
+  lands in the persistent compilation cache; a server started later with the same options (and
+  cache) loads them instead of compiling. Prints and returns what it did."""
+  import json
+  import time
+
+  from jinfer.engine import compilation_cache
+  from jinfer.engine.data_parallel import create_engine
+  start = time.perf_counter()
+  config = _engine_config(args)
+  # Before anything compiles, so that loading the weights is cached too.
+  cache = compilation_cache.enable()
+  count = _CompileCount()
+  engine = create_engine(args.model, config=config, warmup="now")  # every bucket, not some
+  engine.close()
+  # backend_compile_duration is reported for a cache hit as well (the hit skips the compile
+  # inside it): what was compiled is the difference.
+  compiled = count.compiled - count.loaded
+  summary = {"model": args.model, "compilation_cache": cache, "compiled": compiled,
+             "loaded_from_cache": count.loaded, "seconds": round(time.perf_counter() - start, 1)}
+  print(json.dumps(summary))
+  return summary
 
 
 def _add_multi_process_args(p):
@@ -297,6 +361,13 @@ def parser() -> argparse.ArgumentParser:
   _add_engine_args(p)
   _add_multi_process_args(p)
   p.set_defaults(fn=cmd_serve)
+
+  p = sub.add_parser("precompile", help="fill the compilation cache for `jinfer serve` with the "
+                                        "same options ahead of time (for a deployment image)")
+  p.add_argument("--model", default=DEFAULT_MODEL,
+                 help="built-in name, HF model directory or .gguf file")
+  _add_engine_args(p)
+  p.set_defaults(fn=cmd_precompile)
 
   p = sub.add_parser("bench-serve", help="load a local server with random prompts; JSON figures")
   p.add_argument("--url", default="http://127.0.0.1:8000", help="a loopback address only")

@@ -2,17 +2,25 @@
 from __future__ import annotations
 
 import atexit
-from typing import Any, Sequence as Seq
+import numbers
+from collections.abc import Sequence as Seq
+from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from jinfer.engine.data_parallel import create_engine
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.request import RequestOutput
+from jinfer.errors import ParameterError
 from jinfer.parallel import distributed
 from jinfer.parallel.distributed import DistributedConfig
 from jinfer.sampling.params import SamplingParams
 from jinfer.loader import DEFAULT_MODEL
+from jinfer.weights.builtin import resolve_speculative_model
+
+# A prompt as vLLM's `generate` takes it: text, token ids, or a dict of either.
+Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -28,6 +36,9 @@ class LLM:
                num_processes: int = 1, process_id: int = 0, **engine_options: Any):
     # Several processes (one per host) run one mesh: every process makes the same `LLM`;
     # process 0 returns to generate, the others run its steps until it closes, then return.
+    if engine_options.get("speculative_config") is not None:
+      engine_options["speculative_config"] = resolve_speculative_model(
+          engine_options["speculative_config"])
     dist = DistributedConfig(coordinator_address=coordinator_address,
                              num_processes=num_processes, process_id=process_id)
     distributed.initialize(dist)
@@ -50,15 +61,23 @@ class LLM:
     calibrating again (see `LLMEngine.save_quantized`)."""
     self.engine.save_quantized(path)
 
-  def generate(self, prompts: str | Seq[str] | Seq[list[int]],
+  def generate(self, prompts: Prompt | Seq[Prompt],
                sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                use_tqdm: bool = True) -> list[RequestOutput]:
-    """Outputs in prompt order. Every prompt is validated before any is queued."""
+    """Outputs in prompt order. A prompt is text, a list of token ids, or (as in vLLM) a dict
+    `{"prompt": text}` or `{"prompt_token_ids": ids}`; one prompt or a list of them, mixed.
+    Every prompt is validated before any is queued."""
     if not self.is_leader:
       raise RuntimeError("only process 0 generates; this process ran its steps until it closed")
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    if isinstance(prompts, np.ndarray):
+      prompts = prompts.tolist()
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, Seq) and prompts and _is_token_id(prompts[0])):
       prompts = [prompts]
-    prompts = list(prompts)
+    if not isinstance(prompts, Seq):
+      raise ParameterError("prompts", f"expected a prompt or a list of prompts, got "
+                                      f"{type(prompts).__name__}")
+    prompts = [_prompt(p, i) for i, p in enumerate(prompts)]
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
       params = [sampling_params or SamplingParams()] * len(prompts)
     else:
@@ -91,3 +110,37 @@ class LLM:
     prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
                                                   **template_kwargs) for c in convs]
     return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _is_token_id(x) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _prompt(p, i: int) -> str | list[int]:
+  """Prompt `i` as text or token ids; a ParameterError naming what is wrong with it."""
+  if isinstance(p, dict):
+    keys = set(p) & {"prompt", "prompt_token_ids"}
+    other = sorted(set(p) - keys, key=str)
+    if len(keys) != 1 or other:
+      raise ParameterError("prompts", f"prompt {i}: a dict prompt has exactly one of the keys "
+                                      f"'prompt' (text) and 'prompt_token_ids' (a list of ints); "
+                                      f"got keys {sorted(p, key=str)}")
+    key = keys.pop()
+    p = p[key]
+    if key == "prompt" and not isinstance(p, str):
+      raise ParameterError("prompts", f"prompt {i}: 'prompt' must be text, got "
+                                      f"{type(p).__name__}")
+    if key == "prompt_token_ids" and isinstance(p, str):
+      raise ParameterError("prompts", f"prompt {i}: 'prompt_token_ids' must be a list of ints, "
+                                      f"got text (use 'prompt' for text)")
+  if isinstance(p, str):
+    return p
+  if isinstance(p, np.ndarray):
+    p = p.tolist()
+  if isinstance(p, Seq) and all(_is_token_id(t) for t in p):
+    return [int(t) for t in p]
+  if isinstance(p, Seq):
+    bad = next(t for t in p if not _is_token_id(t))
+    raise ParameterError("prompts", f"prompt {i}: token ids must be ints, got {bad!r}")
+  raise ParameterError("prompts", f"prompt {i}: expected text, a list of token ids or a dict "
+                                  f"with 'prompt' or 'prompt_token_ids', got {type(p).__name__}")

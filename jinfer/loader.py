@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jinfer.config import ModelConfig
 from jinfer.tokenizer import Tokenizer
-from jinfer.weights.builtin import BUILTIN_MODELS, builtin_gguf_path, is_builtin
+from jinfer.weights.builtin import builtin_path, is_builtin, known_names
 from jinfer.weights.gguf_file import gguf_config, load_gguf, open_gguf
 from jinfer.weights.gguf_quantized import read_gguf_groupwise
 from jinfer.weights.hf_layout import hf_to_params
@@ -31,7 +31,7 @@ def load_model(model: str, dtype=jnp.float32, *, load_tokenizer: bool = True,
   (`jinfer/weights/quantized_checkpoint.py`) loads its params as saved, the config and tokenizer
   from the model they came from. `config_only`: no params (None)."""
   if is_builtin(model):
-    model = builtin_gguf_path(model)
+    model = builtin_path(model)
   if os.path.isfile(model) and model.endswith(".gguf"):
     if config_only:
       config, params = gguf_config(open_gguf(model), model), None
@@ -55,5 +55,5 @@ def load_model(model: str, dtype=jnp.float32, *, load_tokenizer: bool = True,
     else:
       params = load_safetensors_dir(model, config, dtype)
     return config, params, Tokenizer.from_dir(model) if load_tokenizer else None
-  raise ValueError(f"model {model!r} is not a built-in name ({', '.join(BUILTIN_MODELS)}), "
+  raise ValueError(f"model {model!r} not found: not a built-in name ({', '.join(known_names())}), "
                    f"an HF model directory, or a .gguf file")

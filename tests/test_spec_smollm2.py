@@ -1,23 +1,20 @@
 """Speculative decoding on the real model: SmolLM2's output with n-gram lookup, with the
-distilled draft and with the Medusa heads of `checkpoints/` is the output without speculation:
-greedy, alone and inside a batch with chunked prefill, preemption and prefix hits; sampled with
+distilled draft and with the Medusa heads of `jinfer/checkpoints/` is the output without
+speculation: greedy, alone and inside a batch with chunked prefill, preemption and prefix hits; sampled with
 seeds, 128 copies of one prompt (prefix hits in every step), token for token. And the shipped
 draft and heads are trained ones."""
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
 
 from jinfer import LLM, SamplingParams
+from jinfer.weights.builtin import checkpoint_path
 
 pytestmark = pytest.mark.slow  # four SmolLM2 engines, ~4 minutes
 
-CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "checkpoints")
-DRAFT = os.path.join(CHECKPOINTS, "smollm2-135m-draft")
-MEDUSA = os.path.join(CHECKPOINTS, "smollm2-135m-medusa")
+DRAFT = checkpoint_path("smollm2-135m-draft")
+MEDUSA = checkpoint_path("smollm2-135m-medusa")
 # 39 usable pages (624 tokens) for 16 running sequences of up to ~240 tokens: preemption. Every
 # step scanned: each unrolled bucket compiles every layer, which cost this module 4 minutes.
 ENGINE = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=64, page_size=16,

