@@ -36,10 +36,11 @@ FIRST_PREFILL_BUCKET = 64
 _started: "weakref.WeakSet[StepCompiler]" = weakref.WeakSet()
 
 
-@atexit.register
 def _close_all():
-  """At exit, let a background compile finish before the interpreter goes: a thread stopped
-  inside XLA's compiler can abort the process on its way out."""
+  """At exit, let a background compile finish before anything is torn down: JAX's own exit
+  handlers clear its caches and backends under a compile (a lowering then failed), and a thread
+  stopped inside XLA's compiler can abort the process. Registered at the first start, after
+  JAX's, so that it runs before them."""
   for c in list(_started):
     c.close()
 
@@ -85,6 +86,9 @@ class StepCompiler:
     if self.done or self._thread is not None:
       return
     self._thread = threading.Thread(target=self._run, name="jinfer-step-compiler", daemon=True)
+    if not _started:
+      atexit.unregister(_close_all)
+      atexit.register(_close_all)
     _started.add(self)
     self._thread.start()
 
