@@ -98,3 +98,27 @@ def test_the_python_api_says_what_it_loads_and_how_long_it_took(tiny_model_dir, 
     assert any(line.startswith("jinfer: loading ") for line in said), said
     assert re.search(r"^jinfer: \S+ ready in [\d.]+ s \(loading [\d.]+ s, compiling ",
                      proc.stderr, re.M), said
+
+
+@pytest.mark.slow  # ~10 s of compiles; quick: the test above (background), test_spec_engine
+def test_speculation_waits_for_its_verify_steps_and_keeps_the_tokens(tiny_model):
+  """Startup leaves the verify steps to the background: the engine decodes plainly until they
+  are compiled, then speculates, with the same greedy tokens throughout."""
+  # Few buckets (1, 2, 4, 8), all scanned: compiles of seconds, not tens.
+  options = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8, scan_layers=True)
+  prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 9, 10, 11, 9]]  # n-gram drafts find repeats
+  want = run_tokens(make_engine(tiny_model, warmup=False, **options), prompts, GREEDY)
+  eng = make_engine(tiny_model, warmup=False, strict_compiles=True, **options,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_min": 1})
+  c = eng.compiler
+  c.start = lambda: None  # the background waits for this test
+  eng.warmup()
+  assert c.ready == [1, 8] and not c.finished
+  assert run_tokens(eng, prompts, GREEDY) == want
+  assert eng.stats().spec.num_draft_tokens == 0  # no verify step compiled: no drafts
+  StepCompiler.start(c)
+  eng.wait_until_compiled()
+  assert run_tokens(eng, prompts, GREEDY) == want
+  assert eng.stats().spec.num_draft_tokens > 0
+  assert eng.stats().compiles_after_startup == 0

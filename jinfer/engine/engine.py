@@ -177,7 +177,9 @@ class LLMEngine:
     self.num_steps = self.prompt_tokens = self.generation_tokens = 0
     self.expert_tokens = (np.zeros((len(model_config.moe_layer_ids), model_config.num_experts),
                                    np.int64) if model_config.moe_layer_ids else None)
-    self.compiler = StepCompiler(self.buckets.token_buckets, self._compile_bucket)
+    self.compiler = StepCompiler(
+        self.buckets.token_buckets, lambda t: self._compile_bucket(t, verify=False),
+        None if spec is None else lambda t: self._compile_bucket(t, plain=False))
     self.guard = CompileGuard()
     # Compiled ahead (warmup): steps keep to the compiled buckets, and the guard counts any
     # compile on the serving path. Without warmup, steps compile lazily on first use (tests).
@@ -195,15 +197,18 @@ class LLMEngine:
     weight_quantization.save(path, self.runner.stacked_params, source=source or self.model_name,
                              quantization=m.quantization, quantization_config=m.quantization_config)
 
-  def _compile_bucket(self, t: int) -> float:
-    """Compile every step of token bucket `t` ahead of time; returns seconds."""
+  def _compile_bucket(self, t: int, plain: bool = True, verify: bool = True) -> float:
+    """Compile token bucket `t`'s steps ahead of time, with the proposer's passes beside them:
+    `plain` the plain and prompt-logprobs variants, `verify` the verify variant; returns
+    seconds."""
     t0 = time.monotonic()
-    drafts = self.proposer.empty_drafts(self.buckets.num_seqs(t)) if self.proposer else None
     for shape in self.buckets.shapes(self.config.model.enable_prompt_logprobs):
-      if shape[0] == t:
-        self.runner.compile(shape, drafts if shape[2] else None)
+      if shape[0] == t and (verify if shape[2] else plain):
+        self.runner.compile(shape, self.proposer.empty_drafts(self.buckets.num_seqs(t))
+                            if shape[2] else None)
     if self.proposer is not None:
-      self.proposer.compile(t)
+      for v in (False,) * plain + (True,) * verify:
+        self.proposer.compile(t, v)
     return time.monotonic() - t0
 
   def warmup(self, rest: str | None = None) -> float:
@@ -226,7 +231,8 @@ class LLMEngine:
       took = time.monotonic() - t0
       log.info("every bucket compiled in %.1f s", took)
     else:
-      c.compile(c.startup_buckets)
+      # Speculation's verify steps compile in the background (it speculates once they are in).
+      c.compile(c.startup_buckets, finish=rest == "never")
       took = time.monotonic() - t0
       log.info("serving with buckets %s after %.1f s%s", c.ready, took,
                f"; {len(c.buckets) - len(c.ready)} more compile in the background"
@@ -444,6 +450,8 @@ class LLMEngine:
     spec = self.config.speculative
     if (spec.disable_by_batch_size is not None
         and len(self.scheduler.running) > spec.disable_by_batch_size) or paused(seq):
+      return 0
+    if self._ahead and not self.compiler.finished:  # the verify steps are still compiling
       return 0
     p = seq.params
     max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len

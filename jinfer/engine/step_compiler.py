@@ -1,9 +1,10 @@
 """Compiling the engine's steps ahead of the serving path, the rest after serving has started.
 
-A step is compiled per token bucket (with its prompt-logprobs and verify variants and the
-proposer's passes: `compile_bucket`). Startup compiles what the first requests need, the
-smallest bucket (a single stream's decode) and one prefill bucket, and returns: the engine
-serves from then on. A background thread compiles the other buckets, the ones steps asked for
+A step is compiled per token bucket (with its prompt-logprobs variant and the proposer's
+passes: `compile_bucket`; speculation's verify variant: `finish_bucket`). Startup compiles what
+the first requests need, the smallest bucket (a single stream's decode) and one prefill bucket,
+without their verify variants, and returns: the engine serves from then on, without speculating
+until the background has compiled those (`finished`). A background thread compiles the other buckets, the ones steps asked for
 most first (`want`), else smallest first. A step runs only in a ready bucket: the engine caps its
 token budget at the largest ready one (a long prefill is chunked to it) and pads the rest to the
 smallest ready bucket that holds it (`pick`). So nothing compiles on the serving path, while the
@@ -46,11 +47,14 @@ def _close_all():
 
 
 class StepCompiler:
-  def __init__(self, buckets: Sequence[int], compile_bucket: Callable[[int], float]):
+  def __init__(self, buckets: Sequence[int], compile_bucket: Callable[[int], float],
+               finish_bucket: Callable[[int], float] | None = None):
     """`buckets`: every token bucket, ascending; `compile_bucket(t)`: compile bucket t's steps,
-    returning seconds."""
+    returning seconds; `finish_bucket(t)`: the rest of them, which startup may leave to the
+    background (a bucket compiled later gets both at once)."""
     self.buckets = list(buckets)
-    self._compile = compile_bucket
+    self._compile, self._finish = compile_bucket, finish_bucket
+    self.unfinished: list[int] = []  # ready buckets whose `finish_bucket` is still to run
     # Ascending; replaced, never changed in place, so the serving thread reads it unlocked.
     self.ready: list[int] = []
     self.seconds: dict[int, float] = {}
@@ -67,13 +71,31 @@ class StepCompiler:
 
   @property
   def done(self) -> bool:
-    return len(self.ready) == len(self.buckets)
+    return len(self.ready) == len(self.buckets) and self.finished
 
-  def compile(self, buckets: Sequence[int]) -> None:
-    """Compile these buckets now, on this thread."""
+  @property
+  def finished(self) -> bool:
+    """Every ready bucket wholly compiled (speculation may verify)."""
+    return not self.unfinished
+
+  def compile(self, buckets: Sequence[int], finish: bool = True) -> None:
+    """Compile these buckets now, on this thread (`finish`: their `finish_bucket` part too)."""
     for t in buckets:
+      if t in self.unfinished and finish:
+        self._finish_one(t)
       if t not in self.ready:
-        self._add(t, self._compile(t))
+        seconds = self._compile(t)
+        if self._finish is not None and finish:
+          seconds += self._finish(t)
+        elif self._finish is not None:
+          self.unfinished = self.unfinished + [t]
+        self._add(t, seconds)
+
+  def _finish_one(self, t: int) -> None:
+    seconds = self._finish(t)
+    with self._lock:
+      self.seconds[t] += seconds
+      self.unfinished = [u for u in self.unfinished if u != t]
 
   def _add(self, t: int, seconds: float) -> None:
     with self._lock:
@@ -82,7 +104,7 @@ class StepCompiler:
       self._demand.pop(t, None)
 
   def start(self) -> None:
-    """Compile the buckets not ready yet on a background thread."""
+    """Finish the ready buckets, then compile those not ready yet, on a background thread."""
     if self.done or self._thread is not None:
       return
     self._thread = threading.Thread(target=self._run, name="jinfer-step-compiler", daemon=True)
@@ -102,8 +124,10 @@ class StepCompiler:
   def _run(self) -> None:
     t0 = time.monotonic()
     try:
+      while self.unfinished and not self._stop:
+        self._finish_one(self.unfinished[0])
       while (t := self._next()) is not None:
-        self._add(t, self._compile(t))
+        self.compile([t])
     except BaseException as e:  # serving goes on in the ready buckets
       self.error = e
       log.exception("compiling in the background failed; steps keep to the ready buckets %s",

@@ -196,16 +196,16 @@ class DraftModelProposer(Proposer):
   def cache_resets(self) -> int:
     return self._cache_resets
 
-  def compile(self, t: int) -> None:
+  def compile(self, t: int, verify: bool) -> None:
+    # A plain step runs the catch-up pass, a verify step the proposal pass.
     b = self.buckets
     inp = to_step_input(empty_step_input(b, t, verify=True), b)
     d = self._input(ScheduledBatch([], []), inp)
-    for speculating in (True, False):
-      t0 = time.monotonic()
-      self._propose.lower(speculating, self.params, self.head, self.vocab, self.kv_cache, d,
-                          inp.sampling, inp.verify.tensors.ban_rows).compile()
-      log.info("draft model %d-token %s pass ready in %.1f s", t,
-               "proposal" if speculating else "catch-up", time.monotonic() - t0)
+    t0 = time.monotonic()
+    self._propose.lower(verify, self.params, self.head, self.vocab, self.kv_cache, d,
+                        inp.sampling, inp.verify.tensors.ban_rows).compile()
+    log.info("draft model %d-token %s pass ready in %.1f s", t,
+             "proposal" if verify else "catch-up", time.monotonic() - t0)
 
   def empty_drafts(self, num_seqs: int) -> jax.Array:
     return jnp.zeros((num_seqs, self.k), jnp.int32)

@@ -118,9 +118,10 @@ class Proposer(abc.ABC):
     """Times a failed step consumed the proposer's own KV cache (then rebuilt empty)."""
     return 0
 
-  def compile(self, t: int) -> None:
-    """Compile whatever the proposer runs on device for token bucket `t`, ahead of time (without
-    running it: this may run on another thread while steps run)."""
+  def compile(self, t: int, verify: bool) -> None:
+    """Compile what the proposer runs on device beside a step of token bucket `t`, a verify step
+    or (`verify=False`) a plain one, ahead of time (without running it: this may run on another
+    thread while steps run)."""
 
   def empty_drafts(self, num_seqs: int) -> jax.Array | None:
     """Stand-in device drafts of the right shapes, to compile the verify step with."""
