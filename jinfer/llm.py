@@ -31,7 +31,7 @@ class LLM:
   tokenizer (outputs then carry token ids and no text).
   """
 
-  def __init__(self, model: str = DEFAULT_MODEL, *, dtype=None, warmup: bool = True,
+  def __init__(self, model: str = DEFAULT_MODEL, *, dtype=None, warmup: bool | str = True,
                skip_tokenizer_init: bool = False, coordinator_address: str | None = None,
                num_processes: int = 1, process_id: int = 0, **engine_options: Any):
     # Several processes (one per host) run one mesh: every process makes the same `LLM`;
@@ -44,7 +44,7 @@ class LLM:
     distributed.initialize(dist)
     self.is_leader = dist.is_leader
     self.engine = create_engine(model, dtype=dtype, config=EngineConfig.of(**engine_options),
-                                warmup=warmup and self.is_leader,
+                                warmup=warmup if self.is_leader else False,
                                 skip_tokenizer_init=skip_tokenizer_init)
     self.tokenizer = self.engine.tokenizer
     if not self.is_leader:

@@ -102,7 +102,7 @@ SMALL_POOL = dict(max_model_len=64, page_size=4, num_pages=33, max_num_seqs=6,
 SMOLLM2 = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=32, num_pages=60)
 
 
-def make_engine(loaded, warmup: bool = True, **options) -> LLMEngine:
+def make_engine(loaded, warmup: bool | str = True, **options) -> LLMEngine:
   return LLMEngine.from_parts(*loaded, config=EngineConfig.of(**options), warmup=warmup)
 
 

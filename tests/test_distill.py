@@ -60,7 +60,7 @@ def test_train_save_load_and_speculate(tiny_model, tmp_path):
   prompts = [s[:20].tolist() for s in seqs]
   run = lambda eng: [o.outputs[0].token_ids for o in eng.run_to_completion(
       [eng.add_request(None, p, greedy) for p in prompts]).values()]
-  spec = make_engine(tiny_model, **kw, speculative_config={
+  spec = make_engine(tiny_model, warmup="now", **kw, speculative_config={
       "method": "draft_model", "num_speculative_tokens": 2, "model": path})
   # The checkpoint's arrays join the engine's without a compile of their own after warmup
   # (orbax restores device-committed arrays, which jit keys apart from uncommitted ones).

@@ -319,7 +319,7 @@ def test_vocabulary_heads_on_a_quantized_target(tiny_model, tmp_path):
 
 @pytest.mark.slow  # ~90 s: compiles every bucket's plain and verify step
 def test_no_compiles_after_warmup(tiny_model, heads):
-  eng = make_engine(tiny_model, **SMALL, speculative_config={
+  eng = make_engine(tiny_model, warmup="now", **SMALL, speculative_config={
       "method": "medusa", "num_speculative_tokens": 3, "model": heads["identity"]})
   counter = CompileCounter()
   params = [SamplingParams(temperature=t, top_p=tp, max_tokens=m, seed=i, logprobs=lp,

@@ -130,7 +130,7 @@ def main():
   engines = {}
   for m in args.methods:
     t0 = time.monotonic()
-    engines[m] = LLMEngine.from_parts(config, params, tokenizer,
+    engines[m] = LLMEngine.from_parts(config, params, tokenizer, warmup="now",
                                       config=base.replace(speculative_config=specs[m]))
     print(f"{m}: warm in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
 

@@ -30,7 +30,7 @@ class DataParallelEngine:
 
   MAX_ROUTES = 1 << 16  # prefix hashes remembered for affinity
 
-  def __init__(self, model: str, *, dtype=None, config: EngineConfig, warmup: bool = True,
+  def __init__(self, model: str, *, dtype=None, config: EngineConfig, warmup: bool | str = True,
                skip_tokenizer_init: bool = False):
     data_parallel_devices(config.parallel)  # enough devices? fail before loading
     if config.kernels.compilation_cache:
@@ -43,13 +43,15 @@ class DataParallelEngine:
 
   @classmethod
   def from_parts(cls, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None, *,
-                 config: EngineConfig, dtype=None, warmup: bool = True) -> "DataParallelEngine":
+                 config: EngineConfig, dtype=None,
+                 warmup: bool | str = True) -> "DataParallelEngine":
     self = cls.__new__(cls)
     self._build(model_config, params, tokenizer, config, dtype, warmup)
     self.load_seconds = 0.0
     return self
 
-  def _build(self, model_config, params, tokenizer, config: EngineConfig, dtype, warmup: bool):
+  def _build(self, model_config, params, tokenizer, config: EngineConfig, dtype,
+             warmup: bool | str):
     rank_config = config.replace(data_parallel_size=1)
     self.engines = [LLMEngine.from_parts(model_config, params, tokenizer, config=rank_config,
                                          dtype=dtype, warmup=False, devices=devices)
@@ -157,7 +159,7 @@ class DataParallelEngine:
         kv_pages_per_gib=per[0].kv_pages_per_gib)
 
 
-def create_engine(model: str, *, config: EngineConfig, dtype=None, warmup: bool = True,
+def create_engine(model: str, *, config: EngineConfig, dtype=None, warmup: bool | str = True,
                   skip_tokenizer_init: bool = False) -> LLMEngine | DataParallelEngine:
   """One engine, or the data-parallel front end when `data_parallel_size > 1`."""
   cls = DataParallelEngine if config.parallel.data_parallel_size > 1 else LLMEngine

@@ -4,8 +4,8 @@ A step is compiled per token bucket (with its prompt-logprobs variant and the pr
 passes: `compile_bucket`; speculation's verify variant: `finish_bucket`). Startup compiles what
 the first requests need, the smallest bucket (a single stream's decode) and one prefill bucket,
 without their verify variants, and returns: the engine serves from then on, without speculating
-until the background has compiled those (`finished`). A background thread compiles the other buckets, the ones steps asked for
-most first (`want`), else smallest first. A step runs only in a ready bucket: the engine caps its
+until the background has compiled those (`finished`). A background thread compiles the other
+buckets, the ones steps asked for most first (`want`), else smallest first. A step runs only in a ready bucket: the engine caps its
 token budget at the largest ready one (a long prefill is chunked to it) and pads the rest to the
 smallest ready bucket that holds it (`pick`). So nothing compiles on the serving path, while the
 background compiles and after (`compile_guard.py` checks).
