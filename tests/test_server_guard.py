@@ -241,3 +241,12 @@ def test_image_parts_and_output_limits_are_named(client):
   with pytest.raises(openai.BadRequestError) as e:
     client.completions.create(model=MODEL, prompt="word " * 100, max_tokens=2)
   assert (e.value.body["param"], e.value.body["code"]) == ("prompt", "context_length_exceeded")
+
+
+def test_unknown_request_fields_are_ignored_and_logged(server, caplog):
+  """As vLLM: a field the server does not know does not fail the request; its name is logged."""
+  body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "frobnicate": 3, "zeta": {"a": 1}}
+  with caplog.at_level("WARNING", logger="jinfer.serving.app"):
+    status, data = post_json(f"{server.url}/v1/completions", json.dumps(body).encode())
+  assert status == 200 and data["usage"]["completion_tokens"] == 1, data
+  assert "ignored request fields: frobnicate, zeta" in caplog.text

@@ -230,7 +230,7 @@ def test_ngram_lookup():
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model is for method"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "no/such/dir"},
-     "'no/such/dir' is not a built-in name, a directory"),
+     "model 'no/such/dir' not found: no such file or directory .*not a known name"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "smollm2-135m-instruct",
       "prompt_lookup_max": 2}, "prompt_lookup_max is for method 'ngram'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "k": 3}, "unknown key 'k'"),
@@ -278,3 +278,21 @@ def test_draft_sampling_over_a_restricted_vocabulary():
                         jnp.asarray(vocab), v)
   second = vocab[np.argsort(logits[1])[-2]]
   np.testing.assert_array_equal(token, [best[0], second, best[2]])
+
+
+def test_metrics_export_the_speculation_statistics(spec_engine):
+  """/metrics' speculative gauges are the engine's statistics (after test_stops_and_logprobs
+  ran this engine, whose steps are compiled by now)."""
+  from prometheus_client.parser import text_string_to_metric_families
+
+  from jinfer.serving.metrics import ServerMetrics
+  _run(spec_engine, _prompts(2, seed=5), GREEDY)
+  sp = spec_engine.stats().spec
+  assert sp.num_draft_tokens > 0
+  got = {s.name: s.value for f in text_string_to_metric_families(
+      ServerMetrics(spec_engine, "m").render()) for s in f.samples}
+  assert got["jinfer_spec_decode_num_draft_tokens_total"] == sp.num_draft_tokens
+  assert got["jinfer_spec_decode_alpha"] == pytest.approx(sp.alpha)
+  assert got["jinfer_spec_decode_expected_tokens_per_full_step"] == pytest.approx(
+      sp.expected_tokens_per_full_step)
+  assert got["jinfer_spec_decode_tokens_per_full_step"] == pytest.approx(sp.tokens_per_full_step)

@@ -46,7 +46,7 @@ class ModelOptions:
   # How `quantization` quantizes, as JSON or a dict (vLLM's name), e.g. {"method": "awq",
   # "group_size": 128}; None: the mode's defaults.
   quantization_config: dict | None = None
-  seed: int = 0  # seeds requests that bring none
+  seed: int | None = 0  # seeds requests that bring none; None: a different seed every run
   # Requests may ask for prompt_logprobs: compiles a second step variant per bucket that
   # projects every row to logits, used only by steps that carry such a request.
   enable_prompt_logprobs: bool = False

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import time
 import uuid
@@ -35,6 +36,8 @@ from jinfer.serving.metrics import ServerMetrics
 from jinfer.serving.options import ServerOptions
 from jinfer.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo,
                                      ModelCard, ModelList, SamplingRequest)
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _Body = TypeVar("_Body", bound=SamplingRequest)
@@ -131,6 +134,8 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str,
     except ValidationError as e:
       raise _invalid(e) from None
     check_model(body.model)
+    if body.model_extra:
+      log.warning("ignored request fields: %s", ", ".join(sorted(body.model_extra)))
     return body
 
   async def submit(prepare: Callable[[_Body, str], Awaitable[T]], body: _Body,

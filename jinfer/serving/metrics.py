@@ -127,6 +127,13 @@ class ServerMetrics:
                 for i, n in enumerate(sp.accepted_per_position)]
       metric("jinfer_spec_decode_mean_tokens_per_verify", "gauge",
              "Tokens a sequence gains per step that verifies drafts.", sp.mean_tokens_per_verify)
+      metric("jinfer_spec_decode_alpha", "gauge",
+             "Accepted drafts / drafts tested: the per-draft acceptance probability.", sp.alpha)
+      metric("jinfer_spec_decode_expected_tokens_per_full_step", "gauge",
+             "E = (1 - alpha^(k+1)) / (1 - alpha): tokens a full verify step should yield.",
+             sp.expected_tokens_per_full_step)
+      metric("jinfer_spec_decode_tokens_per_full_step", "gauge",
+             "Tokens a full verify step yielded, measured.", sp.tokens_per_full_step)
       metric("jinfer_spec_decode_proposer_time_share", "gauge",
              "Fraction of engine step time spent proposing drafts.", sp.proposer_time_share)
     name = "jinfer_requests_finished_total"

@@ -27,7 +27,8 @@ def _is_token_id(v: Any) -> bool:
 
 
 class _Request(BaseModel):
-  model_config = ConfigDict(extra="ignore", strict=True)
+  # Fields jinfer does not know are ignored, as vLLM does (the server logs their names).
+  model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Request):

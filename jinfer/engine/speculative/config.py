@@ -12,7 +12,7 @@ from jinfer.engine.speculative.medusa_heads import (META, PUBLISHED_FILE, heads_
                                                    is_medusa_checkpoint)
 from jinfer.errors import ParameterError
 from jinfer.sampling.tree import Tree, default_choices
-from jinfer.weights.builtin import is_builtin
+from jinfer.weights.builtin import is_builtin, resolve_speculative_model
 
 
 def default_tree_nodes(platform: str) -> int:
@@ -108,7 +108,10 @@ class SpeculativeConfig:
 
   def resolve(self, platform: str) -> "SpeculativeConfig":
     """This config checked against the files it names, with what the platform decides filled
-    in (Medusa's default tree): what the engine runs. The one place speculation reads files."""
+    in (Medusa's default tree): what the engine runs. The one place speculation reads files.
+    A shipped checkpoint's name becomes its installed path; a model that is neither a known name
+    nor a path that exists is "not found"."""
+    self = resolve_speculative_model(self)
     if self.method == "draft_model" and not (
         is_builtin(self.model) or os.path.isdir(self.model)
         or (os.path.isfile(self.model) and self.model.endswith(".gguf"))):
