@@ -335,7 +335,7 @@ def test_no_compiles_after_warmup(tiny_model, heads):
 
 
 @pytest.mark.parametrize("config, says", [
-    (dict(model="nowhere"), "Medusa heads checkpoint"),
+    (dict(model="nowhere"), "model 'nowhere' not found"),
     (dict(medusa_choices=[[0, 0]]), "lacks its parent"),
     (dict(num_speculative_tokens=5), "has 3 heads"),
     (dict(acceptance_method="lucky"), "acceptance_method"),
