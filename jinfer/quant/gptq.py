@@ -5,7 +5,8 @@ Hessian of the layer's reconstruction loss ||X W - X W_q||^2, H = 2 X^T X / n.
 
 As AutoGPTQ / GPTQModel do it:
 * dead input channels (diag(H) == 0) get H_jj = 1 and zero weights;
-* dampening: `percdamp` times the mean diagonal added to the diagonal;
+* dampening: `percdamp` times the mean diagonal added to the diagonal (`quantize_model` uses
+  0.1: a short calibration text leaves H poorly determined);
 * the upper Cholesky factor of H^-1 drives the updates;
 * columns in blocks of `block_size`, the error inside a block applied column by column and to the
   later columns once per block (lazy batch updates: the same result, fewer passes over W);
