@@ -1,5 +1,7 @@
-"""Cold start: a fresh process running `LLM()` (load, warmup) and a small mixed workload, timed
-end to end; A/B against an earlier git revision in the same run. Prints JSON.
+"""Cold start: a fresh process running `LLM()` (load, warmup), one chat answer ("What is the
+capital of France?", 32 greedy tokens: `answer_s` counts from the process start) and a small
+mixed workload, timed end to end; A/B against an earlier git revision in the same run. Prints
+JSON. `--speculative-config JSON` builds the `LLM` with it (in every case).
 
 Workload: 8 requests, random-token prompts of 10-400 tokens (numpy seed 0), 16 new tokens each,
 greedy, EOS ignored, all submitted at once. Each case runs in its own Python process and its
@@ -40,26 +42,31 @@ jax.monitoring.register_event_duration_secs_listener(on_duration)
 jax.monitoring.register_event_listener(on_event)
 from jinfer import LLM, SamplingParams
 t_import = time.time() - t0
-llm = LLM(warmup=True)
+llm = LLM(warmup=True, **json.loads(sys.argv[2]))
 t_ready = time.time() - t0
+answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                  SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0]
+t_answer = time.time() - t0
 rng = np.random.default_rng(0)
 prompts = [rng.integers(100, 40000, int(n)).tolist() for n in rng.integers(10, 401, 8)]
 outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                     use_tqdm=False)
 t_done = time.time() - t0
-print(json.dumps({"import_s": t_import, "ready_s": t_ready, "workload_s": t_done - t_ready,
+print(json.dumps({"import_s": t_import, "ready_s": t_ready, "answer_s": t_answer,
+                  "answer": answer.outputs[0].text, "workload_s": t_done - t_answer,
                   "total_s": t_done, "compiles": counts["compiles"] - counts["cache_hits"],
                   "cache_hits": counts["cache_hits"],
-                  "tokens": [o.outputs[0].token_ids for o in outs]}))
+                  "tokens": [answer.outputs[0].token_ids] + [o.outputs[0].token_ids
+                                                             for o in outs]}))
 """
 
 
-def _run(tree: str, cache_dir: str) -> dict:
+def _run(tree: str, cache_dir: str, options: dict) -> dict:
   env = dict(os.environ, PYTHONPATH=tree, JINFER_COMPILATION_CACHE_DIR=cache_dir,
              JAX_COMPILATION_CACHE_DIR="")
   t0 = time.time()
-  proc = subprocess.run([sys.executable, "-c", _CHILD, repr(t0)], cwd=tree, env=env,
-                        capture_output=True, text=True)
+  proc = subprocess.run([sys.executable, "-c", _CHILD, repr(t0), json.dumps(options)], cwd=tree,
+                        env=env, capture_output=True, text=True)
   if proc.returncode != 0:
     raise RuntimeError(f"the run in {tree} failed:\n{proc.stderr[-3000:]}")
   out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -72,8 +79,12 @@ def main(argv: list[str] | None = None) -> dict:
   ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
                               description=__doc__.split("\n\n")[0])
   ap.add_argument("--baseline-rev", default=None, help="git revision to compare against")
+  ap.add_argument("--speculative-config", default=None, type=json.loads,
+                  help="JSON, passed to LLM() in every case")
   ap.add_argument("--out", default=None, help="also write the JSON here")
   args = ap.parse_args(argv)
+  options = {} if args.speculative_config is None else {
+      "speculative_config": args.speculative_config}
   # The source tree this module lives in: the cases run it (and a worktree of its history).
   here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   report: dict = {"machine": machine_info(), "cases": {}}
@@ -83,13 +94,13 @@ def main(argv: list[str] | None = None) -> dict:
       subprocess.run(["git", "-C", here, "worktree", "add", "--detach", base, args.baseline_rev],
                      check=True, capture_output=True)
       try:
-        report["cases"]["baseline"] = _run(base, os.path.join(tmp, "cache-baseline"))
+        report["cases"]["baseline"] = _run(base, os.path.join(tmp, "cache-baseline"), options)
       finally:
         subprocess.run(["git", "-C", here, "worktree", "remove", "--force", base],
                        capture_output=True)
     cache = os.path.join(tmp, "cache")
-    report["cases"]["cold"] = _run(here, cache)
-    report["cases"]["warm"] = _run(here, cache)
+    report["cases"]["cold"] = _run(here, cache, options)
+    report["cases"]["warm"] = _run(here, cache, options)
   cases = report["cases"]
   tokens = [c.pop("tokens") for c in cases.values()]
   report["same_tokens"] = all(t == tokens[0] for t in tokens)
