@@ -52,7 +52,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
 LONGEST_FIRST = ("test_spec_engine.py", "test_quant_algorithms.py", "test_parallel.py",
                  "test_quantized_engine.py", "test_ragged_paged_attention.py",
                  "test_spec_lossless.py", "test_engine.py", "test_model_layout.py",
-                 "test_int8_matmul.py", "test_medusa.py")
+                 "test_int8_matmul.py", "test_medusa.py", "test_startup.py")
 
 
 def pytest_collection_modifyitems(config, items):

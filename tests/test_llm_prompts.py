@@ -15,8 +15,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
+  # Scanned: the few steps these tests run compile in seconds.
   return LLM(tiny_model_dir, warmup=False, max_model_len=64, max_num_seqs=4,
-             max_num_batched_tokens=16)
+             max_num_batched_tokens=16, scan_layers=True)
 
 
 def _tokens(outs) -> list[tuple[list[int], list[int]]]:

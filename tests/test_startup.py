@@ -19,8 +19,9 @@ from jinfer.sampling.params import SamplingParams
 from tests.engine_fixtures import CompileCounter, make_engine, random_prompts, run_tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-# Buckets 1, 2, 4, 8, 16, 32, 64, 128; startup compiles 1 and 64.
-OPTIONS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128)
+# Buckets 1, 2, 4, 8, 16, 32, 64, 128; startup compiles 1 and 64. All scanned: compiles of
+# seconds (the unrolled one-token step alone took ~7 s), and the scheduling is what is tested.
+OPTIONS = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, scan_layers=True)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,7 @@ def test_serves_from_the_startup_buckets_then_the_rest_as_they_compile(tiny_mode
   assert (s.buckets_compiled, s.buckets_total) == (8, 8)
 
 
+@pytest.mark.slow  # quick: the test above counts the guard's zero under the same workload
 def test_the_guard_counts_logs_and_in_strict_mode_refuses_a_compile_on_the_serving_path(
     tiny_model, prompts, caplog):
   for strict in (False, True):
