@@ -211,24 +211,6 @@ def cmd_serve(args):
         distributed_config=dist)
 
 
-class _CompileCount:
-  """XLA programs compiled and loaded from the persistent compilation cache from now on."""
-
-  def __init__(self):
-    import jax
-    self.compiled = self.loaded = 0
-    jax.monitoring.register_event_duration_secs_listener(self._on_duration)
-    jax.monitoring.register_event_listener(self._on_event)
-
-  def _on_duration(self, event: str, duration: float, **_):
-    if event == "/jax/core/compile/backend_compile_duration":
-      self.compiled += 1
-
-  def _on_event(self, event: str, **_):
-    if event == "/jax/compilation_cache/cache_hits":
-      self.loaded += 1
-
-
 def cmd_precompile(args) -> dict:
   """Build the engine `jinfer serve` would, with its full warmup, so that every step it compiles
   lands in the persistent compilation cache; a server started later with the same options (and
@@ -242,14 +224,13 @@ def cmd_precompile(args) -> dict:
   config = _engine_config(args)
   # Before anything compiles, so that loading the weights is cached too.
   cache = compilation_cache.enable()
-  count = _CompileCount()
+  compiled, loaded = compilation_cache.compiles(), compilation_cache.cache_hits()
   engine = create_engine(args.model, config=config, warmup="now")  # every bucket, not some
   engine.close()
-  # backend_compile_duration is reported for a cache hit as well (the hit skips the compile
-  # inside it): what was compiled is the difference.
-  compiled = count.compiled - count.loaded
-  summary = {"model": args.model, "compilation_cache": cache, "compiled": compiled,
-             "loaded_from_cache": count.loaded, "seconds": round(time.perf_counter() - start, 1)}
+  summary = {"model": args.model, "compilation_cache": cache,
+             "compiled": compilation_cache.compiles() - compiled,
+             "loaded_from_cache": compilation_cache.cache_hits() - loaded,
+             "seconds": round(time.perf_counter() - start, 1)}
   print(json.dumps(summary))
   return summary
 

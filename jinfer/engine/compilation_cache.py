@@ -13,7 +13,7 @@ import jax
 
 from jinfer.weights.builtin import cache_dir
 
-_counts = {"hits": 0}
+_counts = {"hits": 0, "backend": 0}
 
 
 def _on_event(event: str, **_):
@@ -21,7 +21,13 @@ def _on_event(event: str, **_):
     _counts["hits"] += 1
 
 
+def _on_duration(event: str, duration: float, **_):
+  if event == "/jax/core/compile/backend_compile_duration":  # reported for a cache hit too
+    _counts["backend"] += 1
+
+
 jax.monitoring.register_event_listener(_on_event)
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
 def enable() -> str:
@@ -40,3 +46,8 @@ def enable() -> str:
 def cache_hits() -> int:
   """Compiled programs served from the persistent cache so far in this process."""
   return _counts["hits"]
+
+
+def compiles() -> int:
+  """Programs XLA compiled so far in this process (cache hits not counted)."""
+  return _counts["backend"] - _counts["hits"]
