@@ -161,7 +161,9 @@ def test_awq_and_gptq_checkpoints_run_int4(tiny_model_dir, tmp_path, method, sym
     pytest.param("int4", {"method": "awq", "group_size": 32}, marks=pytest.mark.slow)])
 def test_a_quantized_model_saves_and_loads_back_without_quantizing(
     tiny_model_dir, tmp_path, monkeypatch, quantization, qc):
-  options = dict(warmup=False, max_model_len=64, max_num_seqs=4)
+  # Scanned, few buckets: the steps compile in seconds; what is tested is the saving.
+  options = dict(warmup=False, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                 scan_layers=True)
   llm = LLM(tiny_model_dir, quantization=quantization, quantization_config=qc, **options)
   prompts = [[0, 5, 9, 33, 2, 7], [0] + list(range(10, 40))]
   sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -281,12 +281,12 @@ def test_draft_sampling_over_a_restricted_vocabulary():
 
 
 def test_metrics_export_the_speculation_statistics(spec_engine):
-  """/metrics' speculative gauges are the engine's statistics (after test_stops_and_logprobs
-  ran this engine, whose steps are compiled by now)."""
+  """/metrics' speculative gauges are the engine's statistics (the prompt test_stops_and_logprobs
+  ran: its steps are compiled by now)."""
   from prometheus_client.parser import text_string_to_metric_families
 
   from jinfer.serving.metrics import ServerMetrics
-  _run(spec_engine, _prompts(2, seed=5), GREEDY)
+  _run(spec_engine, _prompts(1, seed=3), GREEDY)
   sp = spec_engine.stats().spec
   assert sp.num_draft_tokens > 0
   got = {s.name: s.value for f in text_string_to_metric_families(

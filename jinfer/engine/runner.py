@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jinfer.sampling.accept import VerifyOutput, accept
 from jinfer.config import ModelConfig
@@ -141,12 +141,21 @@ class ModelRunner:
     out_shardings = None
     if mesh is not None:
       params = sharding.shard_params(params, logical_axes(config), mesh, expert_parallel)
-      out_shardings = (NamedSharding(mesh, P()),
-                       sharding.kv_cache_sharding(mesh, spec.quantized))
+      kv_sharding = sharding.kv_cache_sharding(mesh, spec.quantized)
+      out_shardings = (NamedSharding(mesh, P()), kv_sharding)
       # Sharded params run the scanned stack only: the CPU's per-layer views are single-device
       # arrays that would drop the sharding, and off the CPU the scan reads its weights in
       # place anyway, so an unrolled variant would only add compiles.
       unrolled_max_tokens = 0
+    else:
+      # Params and cache committed to their device whichever loader made the params (orbax
+      # restores committed arrays, the others uncommitted ones): the placement is part of the
+      # compilation cache's key, so a saved quantized model loads the steps its quantizing run
+      # compiled, and the cache a step returns has the placement it was given.
+      leaf = jax.tree.leaves(params)[0]
+      kv_sharding = SingleDeviceSharding(next(iter(leaf.devices())) if isinstance(leaf, jax.Array)
+                                         else jax.devices()[0])
+      params = jax.device_put(params, kv_sharding)
     self.unrolled_max_tokens = unrolled_max_tokens
     # The cache is donated: XLA updates it in place instead of copying it every step.
     self.in_step_weights = in_step_weights
@@ -165,8 +174,7 @@ class ModelRunner:
     self._small = (variant(False) if scanned and buckets.token_buckets[0] <= unrolled_max_tokens
                    else None)
     # An array, or values and scales (`QuantizedKVCache`) for an int8 / fp8 cache.
-    self._allocate = jax.jit(spec.allocate, out_shardings=None if mesh is None
-                             else sharding.kv_cache_sharding(mesh, spec.quantized))
+    self._allocate = jax.jit(spec.allocate, out_shardings=kv_sharding)
     self.kv_cache = self._allocate()
     self.cache_resets = 0  # times a failed step consumed the cache and it was rebuilt empty
     self._shapes_run: set[tuple[int, bool, bool]] = set()
