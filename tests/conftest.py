@@ -46,17 +46,25 @@ def pytest_xdist_auto_num_workers(config) -> int:
   return max(1, min(cores or 1, 4))
 
 
-# The files whose tests take longest (quick tier, measured cold on 2 cores), scheduled first: the
-# workers take files in collection order, and a long file collected last (they sort late in the
-# alphabet) kept one worker busy for half a minute after the other ran out of work.
+# The files whose tests take longest, per tier (measured cold on 2 cores), scheduled first: the
+# workers take whole files in collection order (pyproject's addopts keep xdist from reordering
+# them by test count), and a long file taken last kept one worker busy for a quarter of a
+# minute after the other ran out of work.
 LONGEST_FIRST = ("test_spec_engine.py", "test_quant_algorithms.py", "test_parallel.py",
                  "test_quantized_engine.py", "test_ragged_paged_attention.py",
                  "test_spec_lossless.py", "test_engine.py", "test_model_layout.py",
                  "test_int8_matmul.py", "test_medusa.py", "test_startup.py")
+QUICK_LONGEST_FIRST = ("test_quant_algorithms.py", "test_parallel.py",
+                       "test_ragged_paged_attention.py", "test_spec_lossless.py",
+                       "test_startup.py", "test_int8_matmul.py", "test_spec_engine.py",
+                       "test_engine.py", "test_quantized_engine.py",
+                       "test_kv_cache_quantization.py", "test_model_parity.py", "test_accept.py",
+                       "test_model_layout.py", "test_llm_prompts.py", "test_medusa.py")
 
 
 def pytest_collection_modifyitems(config, items):
-  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  quick = "not slow" in (config.option.markexpr or "")
+  rank = {name: i for i, name in enumerate(QUICK_LONGEST_FIRST if quick else LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest as before
 
 

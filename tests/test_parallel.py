@@ -198,9 +198,10 @@ def test_bytes_per_device(params):
   # With KV heads duplicated to 4, the cache is [L, pages, 2, 4, ps, D] over 8 devices.
   assert {kv for _, kv in per.values()} == {runner.kv_cache.nbytes // 8}
   assert runner.kv_cache.nbytes == engine.runner.spec.nbytes
-  # One long sequence's pages fall evenly over the two context ranks.
+  # One long sequence's pages fall evenly over the two context ranks (as the scheduler places
+  # them: no step needs to run).
   engine.add_request(None, LONG[0], SamplingParams(max_tokens=1))
-  engine.step()
+  engine.scheduler.schedule()
   seq = engine.scheduler.running[0]
   per_rank = engine.blocks.num_pages // 2
   ranks = np.bincount(np.asarray(seq.pages) // per_rank, minlength=2)

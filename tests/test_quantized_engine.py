@@ -156,7 +156,8 @@ def test_awq_and_gptq_checkpoints_run_int4(tiny_model_dir, tmp_path, method, sym
 
 
 @pytest.mark.parametrize("quantization, qc", [
-    ("int4", {"method": "rtn", "group_size": 32}),
+    # All slow: compiles of two engines each; the quick tier runs int4 in the test above.
+    pytest.param("int4", {"method": "rtn", "group_size": 32}, marks=pytest.mark.slow),
     pytest.param("w8a8", {"smoothquant": True}, marks=pytest.mark.slow),  # calibrates first
     pytest.param("int4", {"method": "awq", "group_size": 32}, marks=pytest.mark.slow)])
 def test_a_quantized_model_saves_and_loads_back_without_quantizing(

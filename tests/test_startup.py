@@ -30,34 +30,29 @@ def prompts():
   return random_prompts(8, seed=3, lo=5, hi=200)  # the long ones take several 32-token chunks
 
 
-@pytest.fixture(scope="module")
-def want(tiny_model, prompts):
-  """Every bucket at hand (compiled lazily, as each is first used)."""
-  return run_tokens(make_engine(tiny_model, warmup=False, **OPTIONS), prompts, GREEDY)
-
-
-def test_serves_from_the_startup_buckets_then_the_rest_as_they_compile(tiny_model, prompts, want):
+def test_serves_from_the_startup_buckets_then_the_rest_as_they_compile(tiny_model, prompts):
   eng = make_engine(tiny_model, warmup=False, strict_compiles=True, **OPTIONS)
   c = eng.compiler
   # The background compiler starts when this test says, so the first requests are served with
   # the startup buckets only, deterministically.
   c.start = lambda: None
-  counter = CompileCounter()  # this thread: the serving path
   eng.warmup()
+  counter = CompileCounter()  # this thread: the serving path
   assert c.ready == c.startup_buckets == [1, 32]
 
-  assert run_tokens(eng, prompts, GREEDY) == want  # decode padded to 32
+  padded = run_tokens(eng, prompts, GREEDY)  # decode padded to 32
   assert c.ready == [1, 32]
   asked = dict(c._demand)
   assert asked and 1 not in asked and 32 not in asked  # padded steps asked for what they fit
 
   StepCompiler.start(c)  # served while the background compiles, then after
-  assert run_tokens(eng, prompts[::-1], GREEDY) == want[::-1]
+  meanwhile = run_tokens(eng, prompts[::-1], GREEDY)
   eng.wait_until_compiled()
   assert c.done and c.ready == c.buckets
   background = list(c.seconds)[2:]  # in the order they were compiled
   assert background[0] == max(asked, key=lambda t: (asked[t], -t)), (background, asked)
-  assert run_tokens(eng, prompts, GREEDY) == want
+  want = run_tokens(eng, prompts, GREEDY)  # every bucket at hand
+  assert padded == want and meanwhile == want[::-1]
   assert counter.count == 0 and eng.stats().compiles_after_startup == 0
   s = eng.stats()
   assert (s.buckets_compiled, s.buckets_total) == (6, 6)
