@@ -368,3 +368,15 @@ def test_tensor_parallel_medusa_gives_the_same_tokens(tiny_model, heads, baselin
                 tensor_parallel_size=2)
   assert _run(eng, prompts, GREEDY) == _run(baseline, prompts, GREEDY)
   assert eng.stats().spec.mean_tokens_per_verify > 2.5
+
+
+def test_num_speculative_tokens_defaults_to_the_heads_or_the_trees_depth(heads):
+  """As vLLM takes k from a speculator's config: the checkpoint's heads, or the depth of the
+  tree given; ngram and draft models still need it."""
+  spec = SpeculativeConfig.parse({"method": "medusa", "model": heads["identity"]}).resolve("cpu")
+  assert spec.num_speculative_tokens == 3 and spec.tree().max_depth <= 3
+  tree = SpeculativeConfig.parse({"method": "medusa", "model": heads["identity"],
+                                  "medusa_choices": [[0], [1], [0, 0]]}).resolve("cpu")
+  assert tree.num_speculative_tokens == 2
+  with pytest.raises(ValueError, match="'draft_model' needs num_speculative_tokens"):
+    SpeculativeConfig.parse({"method": "draft_model", "model": heads["identity"]})

@@ -222,7 +222,7 @@ def test_ngram_lookup():
     ({"method": "ngram", "num_speculative_tokens": 2, "medusa_choices": [[0]]},
      "medusa_choices is for method 'medusa'"),
     ({"num_speculative_tokens": 2}, "needs 'method'"),
-    ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+    ({"method": "ngram"}, "method 'ngram' needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be .* \[1, 16\]"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,

@@ -220,7 +220,7 @@ class LLMEngine:
     c = self.compiler
     shapes = self.buckets.shapes(self.config.model.enable_prompt_logprobs)
     log.info("%d step buckets %s, %d compiled programs%s%s", len(c.buckets), c.buckets,
-             len(shapes), f" (steps of at most {self.runner.unrolled_max_tokens} tokens "
+             len(shapes), f" (steps of at most {self.runner.unrolled_max_tokens} token(s) "
              f"unrolled)" if self.runner.unrolled_max_tokens else "",
              " and the draft model's passes" if hasattr(self.proposer, "_propose") else "")
     rest = rest or ("background" if self.config.kernels.compile_in_background else "now")
@@ -232,11 +232,17 @@ class LLMEngine:
       log.info("every bucket compiled in %.1f s", took)
     else:
       # Speculation's verify steps compile in the background (it speculates once they are in).
+      hits = compilation_cache.cache_hits()
       c.compile(c.startup_buckets, finish=rest == "never")
       took = time.monotonic() - t0
+      left, last = len(c.buckets) - len(c.ready), c.ready[-1]
+      # The rest compile like the largest startup bucket (scanned): its time estimates theirs,
+      # unless it was loaded from the cache (which may or may not hold the rest).
+      pace = ("" if compilation_cache.cache_hits() > hits else
+              f" (about {left * c.seconds[last]:.0f} s at the {last}-token step's pace)")
       log.info("serving with buckets %s after %.1f s%s", c.ready, took,
-               f"; {len(c.buckets) - len(c.ready)} more compile in the background"
-               if rest == "background" and not c.done else "")
+               f"; {left} more compile in the background{pace}"
+               if rest == "background" and left else "")
       if rest == "background":
         c.start()
     self._ahead = True

@@ -30,8 +30,10 @@ ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpeculativeConfig:
   method: str  # "ngram" (prompt lookup, no model), "draft_model" or "medusa"
-  # k: drafts verified per sequence and step; for medusa, the heads used (the tree's depth)
-  num_speculative_tokens: int
+  # k: drafts verified per sequence and step; for medusa, the heads used (the tree's depth),
+  # by default the checkpoint's heads (as vLLM takes it from a speculator's config) or the
+  # depth of `medusa_choices`
+  num_speculative_tokens: int | None = None
   # draft_model: a draft checkpoint, HF directory, .gguf or built-in; medusa: a heads checkpoint
   # (ours, or a directory or file of published `medusa_lm_head.safetensors`)
   model: str | None = None
@@ -62,7 +64,10 @@ class SpeculativeConfig:
     """Checks what needs no file and no platform; `resolve()` does the rest."""
     if self.method not in METHODS:
       raise _error(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-    _int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+    if self.num_speculative_tokens is not None:
+      _int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+    elif self.method != "medusa":
+      raise _error(f"method {self.method!r} needs num_speculative_tokens")
     if self.method == "ngram":
       if self.model is not None:
         raise _error("model is for method 'draft_model' or 'medusa', not 'ngram'")
@@ -96,8 +101,10 @@ class SpeculativeConfig:
       if choices is not None:
         if not isinstance(choices, (list, tuple)):
           raise _error(f"medusa_choices must be a list of paths, got {type(choices).__name__}")
-        object.__setattr__(self, "medusa_choices", [list(c) for c in
-                                                    _tree(choices, self.num_speculative_tokens).choices])
+        tree = _tree(choices, self.num_speculative_tokens or MAX_SPECULATIVE_TOKENS)
+        object.__setattr__(self, "medusa_choices", [list(c) for c in tree.choices])
+        if self.num_speculative_tokens is None:
+          object.__setattr__(self, "num_speculative_tokens", tree.max_depth)
     elif self.medusa_choices is not None:
       raise _error("medusa_choices is for method 'medusa'")
     if self.disable_by_batch_size is not None:
@@ -125,6 +132,9 @@ class SpeculativeConfig:
     if self.medusa_choices is not None:
       return self
     meta = heads_meta(self.model)
+    if self.num_speculative_tokens is None:
+      self = dataclasses.replace(
+          self, num_speculative_tokens=min(meta["num_heads"], MAX_SPECULATIVE_TOKENS))
     if meta["num_heads"] < self.num_speculative_tokens:
       raise _error(f"num_speculative_tokens is {self.num_speculative_tokens}; {self.model} has "
                    f"{meta['num_heads']} heads")
@@ -148,9 +158,8 @@ class SpeculativeConfig:
     unknown = sorted(set(value) - fields)
     if unknown:
       raise _error(f"unknown key {unknown[0]!r}; known keys: {', '.join(sorted(fields))}")
-    for name in ("method", "num_speculative_tokens"):
-      if name not in value:
-        raise _error(f"needs {name!r}")
+    if "method" not in value:
+      raise _error("needs 'method'")
     return cls(**value)
 
   def to_dict(self) -> dict[str, Any]:
