@@ -68,9 +68,9 @@ class DataParallelEngine:
     self._rank_of: dict[str, int] = {}  # request id -> rank, while unfinished
     self._ids = itertools.count()
     t0 = time.monotonic()
-    if warmup:  # the ranks compile side by side
-      list(self._pool.map(lambda e: e.runner.warmup(config.model.enable_prompt_logprobs),
-                          self.engines))
+    if warmup:  # the ranks compile side by side, each its startup buckets then the rest
+      rest = warmup if isinstance(warmup, str) else None
+      list(self._pool.map(lambda e: e.warmup(rest), self.engines))
     self.warmup_seconds = time.monotonic() - t0
 
   # -- requests -----------------------------------------------------------------------------
@@ -131,6 +131,10 @@ class DataParallelEngine:
     for e in self.engines:
       e.close()
 
+  def wait_until_compiled(self) -> None:
+    for e in self.engines:
+      e.wait_until_compiled()
+
   def running_request_ids(self) -> set[str]:
     return set().union(*(e.running_request_ids() for e in self.engines))
 
@@ -156,7 +160,9 @@ class DataParallelEngine:
         prompt_tokens=total("prompt_tokens"), generation_tokens=total("generation_tokens"),
         num_steps=max(s.num_steps for s in per), weight_bytes=total("weight_bytes"),
         kv_cache_bytes=total("kv_cache_bytes"), kv_bytes_per_token=per[0].kv_bytes_per_token,
-        kv_pages_per_gib=per[0].kv_pages_per_gib)
+        kv_pages_per_gib=per[0].kv_pages_per_gib,
+        compiles_after_startup=total("compiles_after_startup"),
+        buckets_compiled=min(s.buckets_compiled for s in per), buckets_total=per[0].buckets_total)
 
 
 def create_engine(model: str, *, config: EngineConfig, dtype=None, warmup: bool | str = True,
