@@ -192,3 +192,12 @@ def test_speculation_keeps_the_constrained_greedy_output(tiny_model):
 
   assert run(spec) == run(plain)
   assert spec.stats().spec.num_draft_tokens > 0, "the unconstrained sequences were meant to speculate"
+
+
+def test_generate_command_takes_a_constraint():
+  from jinfer.cli import _params, parser
+  args = parser().parse_args(["generate", "--choice", "yes", "--choice", "no", "Is it?"])
+  assert _params(args).structured_outputs == SO(choice=("yes", "no"))
+  args = parser().parse_args(["generate", "--json-schema", '{"type": "object"}', "Say it"])
+  assert _params(args).structured_outputs == SO(json='{"type": "object"}')
+  assert _params(parser().parse_args(["generate", "hi"])).structured_outputs is None

@@ -293,6 +293,9 @@ class LLMEngine:
         raise ParameterError("min_tokens", "min_tokens cannot be combined with "
                                            "structured_outputs: the constraint decides where "
                                            "the output ends")
+      # Compiled here, into the cache add_request takes it from: `LLM.generate` validates every
+      # request before it queues any.
+      self.grammars.matcher(params.structured_outputs)
     if params.prompt_logprobs is not None and not self.config.model.enable_prompt_logprobs:
       raise ParameterError("prompt_logprobs",
                            "prompt_logprobs needs the engine option enable_prompt_logprobs=True")
@@ -306,8 +309,6 @@ class LLMEngine:
       raise ValueError(f"request id {request_id!r} is already in use")
     ids = self.tokenize(prompt)
     self.validate(ids, params)
-    # Compiled (or taken from the cache) before anything is queued: a constraint that does not
-    # compile is the caller's ParameterError.
     matcher = (self.grammars.matcher(params.structured_outputs)
                if params.structured_outputs is not None else None)
     seed = params.seed if params.seed is not None else int(self._seed_rng.integers(1 << 31))
