@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import jax
@@ -52,8 +53,8 @@ SCHEMA = {
 }
 
 
-def _median_ms(xs: list[float]) -> float:
-  return round(1000 * statistics.median(xs), 3)
+def _median_ms(xs: list[float]) -> float | None:
+  return round(1000 * statistics.median(xs), 3) if xs else None
 
 
 def compile_times(engine: LLMEngine, repeats: int) -> dict:
@@ -74,11 +75,18 @@ def compile_times(engine: LLMEngine, repeats: int) -> dict:
           "cached_ms": _median_ms(cached)}
 
 
+def _max_tokens(b: int, context: int, steps: int, budget: int) -> int:
+  """Enough that no request ends before the last one's prompt is in and `steps` more ran (the
+  first ones admitted decode while the others prefill)."""
+  return steps + -(-b * context // budget) + 8
+
+
 def decode_steps(engine: LLMEngine, b: int, context: int, steps: int, constrained: bool) -> dict:
   rng = np.random.default_rng(b)
   so = StructuredOutputsParams(json=SCHEMA) if constrained else None
-  params = SamplingParams(temperature=1.0, seed=0, max_tokens=steps + 8, ignore_eos=not so,
-                          structured_outputs=so)
+  budget = engine.config.scheduler.max_num_batched_tokens
+  params = SamplingParams(temperature=1.0, seed=0, ignore_eos=not so, structured_outputs=so,
+                          max_tokens=_max_tokens(b, context, steps, budget))
   rids = [engine.add_request(None, rng.integers(100, 40000, context).tolist(), params)
           for _ in range(b)]
   fill = engine.grammars.fill
@@ -149,9 +157,10 @@ def main(argv=None):
   ap.add_argument("--out")
   args = ap.parse_args(argv)
   batches = [int(b) for b in args.batches.split(",")]
+  budget = max(64, max(batches))
   engine = LLMEngine(args.model, warmup=False, config=EngineConfig.of(
-      max_model_len=args.context + args.steps + 16, max_num_seqs=max(batches),
-      max_num_batched_tokens=max(64, max(batches))))
+      max_model_len=args.context + _max_tokens(max(batches), args.context, args.steps, budget),
+      max_num_seqs=max(batches), max_num_batched_tokens=budget))
   report = {"machine": machine_info(), "model": args.model, "context": args.context,
             "schema": json.dumps(SCHEMA), "compile": compile_times(engine, 5), "batches": {}}
   for b in batches:
@@ -162,6 +171,7 @@ def main(argv=None):
     row["step_overhead"] = round(row["json_schema"]["step_ms"] / row["unconstrained"]["step_ms"]
                                  - 1, 3)
     report["batches"][b] = row
+    print(json.dumps({b: row}), file=sys.stderr)  # as it comes: the whole run takes minutes
   emit(report, args.out)
 
 
