@@ -67,8 +67,11 @@ def test_json_schema_samples_validate(engine, temperature):
 
 def test_regex_choice_and_json_object(engine):
   pattern = r"[a-z]{2,5}@[a-z]{3}\.(com|org)"
-  for o in _sample(engine, SO(regex=pattern), 4, 20, seed=2, temperature=3.0):
+  outs = _sample(engine, SO(regex=pattern), 4, 20, seed=2, temperature=3.0)
+  for o in outs:
     assert o.finish_reason == "stop" and re.fullmatch(pattern, o.text), o.text
+  # A seeded constrained request reproduces, alone as in its batch.
+  assert _sample(engine, SO(regex=pattern), 1, 20, seed=2, temperature=3.0)[0].text == outs[0].text
   choices = ["yes", "no", "maybe not"]
   outs = _sample(engine, SO(choice=choices), 6, 8, seed=3, temperature=3.0)
   assert all(o.text in choices and o.finish_reason == "stop" for o in outs)

@@ -75,18 +75,18 @@ def compile_times(engine: LLMEngine, repeats: int) -> dict:
           "cached_ms": _median_ms(cached)}
 
 
-def _max_tokens(b: int, context: int, steps: int, budget: int) -> int:
-  """Enough that no request ends before the last one's prompt is in and `steps` more ran (the
-  first ones admitted decode while the others prefill)."""
-  return steps + -(-b * context // budget) + 8
+def _max_tokens(b: int, steps: int) -> int:
+  """Enough that no request ends before the last one's prompt is in and `steps` more ran: the
+  first ones admitted decode while the others prefill, in what their decode rows leave of the
+  token budget (at least one prompt a step)."""
+  return steps + b + 16
 
 
 def decode_steps(engine: LLMEngine, b: int, context: int, steps: int, constrained: bool) -> dict:
   rng = np.random.default_rng(b)
   so = StructuredOutputsParams(json=SCHEMA) if constrained else None
-  budget = engine.config.scheduler.max_num_batched_tokens
   params = SamplingParams(temperature=1.0, seed=0, ignore_eos=not so, structured_outputs=so,
-                          max_tokens=_max_tokens(b, context, steps, budget))
+                          max_tokens=_max_tokens(b, steps))
   rids = [engine.add_request(None, rng.integers(100, 40000, context).tolist(), params)
           for _ in range(b)]
   fill = engine.grammars.fill
@@ -157,10 +157,11 @@ def main(argv=None):
   ap.add_argument("--out")
   args = ap.parse_args(argv)
   batches = [int(b) for b in args.batches.split(",")]
-  budget = max(64, max(batches))
+  budget, max_len = max(64, max(batches)), args.context + _max_tokens(max(batches), args.steps)
   engine = LLMEngine(args.model, warmup=False, config=EngineConfig.of(
-      max_model_len=args.context + _max_tokens(max(batches), args.context, args.steps, budget),
-      max_num_seqs=max(batches), max_num_batched_tokens=budget))
+      max_model_len=max_len, max_num_seqs=max(batches), max_num_batched_tokens=budget,
+      # Pages for every sequence at full length: no preemption in the timed steps.
+      page_size=16, num_pages=max(batches) * -(-max_len // 16) + 1))
   report = {"machine": machine_info(), "model": args.model, "context": args.context,
             "schema": json.dumps(SCHEMA), "compile": compile_times(engine, 5), "batches": {}}
   for b in batches:
@@ -168,8 +169,9 @@ def main(argv=None):
     row = {"unconstrained": decode_steps(engine, b, args.context, args.steps, False),
            "json_schema": decode_steps(engine, b, args.context, args.steps, True),
            "sampler": sampler_ms(b, engine.model_config.vocab_size, 20)}
-    row["step_overhead"] = round(row["json_schema"]["step_ms"] / row["unconstrained"]["step_ms"]
-                                 - 1, 3)
+    if row["unconstrained"]["step_ms"] and row["json_schema"]["step_ms"]:
+      row["step_overhead"] = round(row["json_schema"]["step_ms"]
+                                   / row["unconstrained"]["step_ms"] - 1, 3)
     report["batches"][b] = row
     print(json.dumps({b: row}), file=sys.stderr)  # as it comes: the whole run takes minutes
   emit(report, args.out)
