@@ -204,3 +204,17 @@ def test_generate_command_takes_a_constraint():
   args = parser().parse_args(["generate", "--json-schema", '{"type": "object"}', "Say it"])
   assert _params(args).structured_outputs == SO(json='{"type": "object"}')
   assert _params(parser().parse_args(["generate", "hi"])).structured_outputs is None
+
+
+def test_llm_generate_checks_every_constraint_first(engine):
+  from jinfer import LLM
+  llm = object.__new__(LLM)  # the offline API over this module's engine (no second model load)
+  llm.engine, llm.is_leader, llm.tokenizer = engine, True, engine.tokenizer
+  good = SamplingParams(temperature=3.0, seed=1, max_tokens=8,
+                        structured_outputs=SO(choice=["red", "green"]))
+  bad = SamplingParams(structured_outputs=SO(regex="(unclosed"))
+  with pytest.raises(ValueError, match="prompt 1"):
+    llm.generate([[5, 6, 7], [8, 9]], [good, bad], use_tqdm=False)
+  assert not engine.has_unfinished_requests()
+  outs = llm.generate([[5, 6, 7], [8, 9]], good, use_tqdm=False)
+  assert all(o.outputs[0].text in ("red", "green") for o in outs)
