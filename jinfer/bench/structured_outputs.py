@@ -6,8 +6,9 @@ Per batch size B, B requests of `--context` random prompt tokens are prefilled, 
 `--steps` decode steps are timed while all B decode (medians): the whole engine step, the part
 of it spent filling the rows' token masks on the host (llguidance, before the step; the engine
 does not overlap it with the device step), and on its own the jitted sampler over [B, V] logits
-with and without a mask (the mask's device cost). The schema asks for an array of at least 40
-objects, so no row can end inside the timed steps; unconstrained rows ignore EOS.
+with and without a mask (the mask's device cost), at temperature 1 and greedy. The schema asks
+for an array of at least 40 objects, so no row can end inside the timed steps; unconstrained
+rows ignore EOS.
 
     python -m jinfer.bench.structured_outputs [--batches 1,16,64] [--steps 16]
 """
@@ -120,13 +121,13 @@ def decode_steps(engine: LLMEngine, b: int, context: int, steps: int, constraine
           "steps": len(step_times)}
 
 
-def sampler_ms(b: int, vocab: int, repeats: int) -> dict:
-  """The jitted sampler over [B, V] logits, temperature 1: no row masked, and every row masked
-  (half the tokens allowed), medians."""
+def sampler_ms(b: int, vocab: int, repeats: int, temperature: float = 1.0) -> dict:
+  """The jitted sampler over [B, V] logits: no row masked, and every row masked (half the
+  tokens allowed), medians."""
   rng = np.random.default_rng(0)
   s = lambda x: jnp.full((b,), x)
   st = SamplingTensors(
-      temperature=s(1.0), top_k=s(1 << 30), top_p=s(1.0), min_p=s(0.0),
+      temperature=s(temperature), top_k=s(1 << 30), top_p=s(1.0), min_p=s(0.0),
       repetition_penalty=s(1.0), presence_penalty=s(0.0), frequency_penalty=s(0.0),
       seeds=jnp.zeros(b, jnp.uint32), gen_idx=jnp.zeros(b, jnp.int32),
       history=jnp.full((b, 1), -1, jnp.int32), prompt_lens=jnp.zeros(b, jnp.int32),
@@ -168,7 +169,8 @@ def main(argv=None):
     decode_steps(engine, b, args.context, 3, constrained=True)  # compiles the step's shapes
     row = {"unconstrained": decode_steps(engine, b, args.context, args.steps, False),
            "json_schema": decode_steps(engine, b, args.context, args.steps, True),
-           "sampler": sampler_ms(b, engine.model_config.vocab_size, 20)}
+           "sampler": sampler_ms(b, engine.model_config.vocab_size, 20),
+           "greedy_sampler": sampler_ms(b, engine.model_config.vocab_size, 20, 0.0)}
     if row["unconstrained"]["step_ms"] and row["json_schema"]["step_ms"]:
       row["step_overhead"] = round(row["json_schema"]["step_ms"]
                                    / row["unconstrained"]["step_ms"] - 1, 3)
