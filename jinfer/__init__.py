@@ -8,7 +8,8 @@ from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.request import CompletionOutput, RequestOutput
 from jinfer.llm import LLM
-from jinfer.sampling.params import SamplingParams
+from jinfer.sampling.params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineConfig", "SamplingParams",
+           "StructuredOutputsParams", "RequestOutput",
            "CompletionOutput"]

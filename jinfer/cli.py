@@ -99,9 +99,21 @@ def _engine(args):
 
 
 def _params(args):
-  from jinfer.sampling.params import SamplingParams
+  from jinfer.sampling.params import SamplingParams, StructuredOutputsParams
+  constraint = None
+  if getattr(args, "json_schema", None) is not None:
+    schema = args.json_schema
+    if not schema.lstrip().startswith("{"):  # a file holding the schema
+      with open(schema) as fh:
+        schema = fh.read()
+    constraint = StructuredOutputsParams(json=schema)
+  elif getattr(args, "regex", None) is not None:
+    constraint = StructuredOutputsParams(regex=args.regex)
+  elif getattr(args, "choice", None):
+    constraint = StructuredOutputsParams(choice=args.choice)
   return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        max_tokens=args.max_tokens, seed=args.seed)
+                        max_tokens=args.max_tokens, seed=args.seed,
+                        structured_outputs=constraint)
 
 
 def _stream(engine, prompt, params) -> str:
@@ -282,6 +294,13 @@ def parser() -> argparse.ArgumentParser:
   common(p, temperature=0.0)
   p.add_argument("--raw", action="store_true",
                  help="complete the prompt as plain text instead of a chat turn")
+  constrain = p.add_mutually_exclusive_group()
+  constrain.add_argument("--json-schema", metavar="SCHEMA",
+                         help="answer with JSON that validates against this schema (its JSON "
+                              "text, or a file holding it)")
+  constrain.add_argument("--regex", help="answer with text that matches this regex")
+  constrain.add_argument("--choice", action="append", metavar="TEXT",
+                         help="answer with one of these strings (repeat the option)")
   p.add_argument("prompt")
   p.set_defaults(fn=cmd_generate)
 

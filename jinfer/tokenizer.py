@@ -226,6 +226,11 @@ class Tokenizer:
   def vocab_size(self) -> int:
     return self._backend.get_vocab_size(with_added_tokens=True)
 
+  def to_json(self) -> str:
+    """The tokenizer as `tokenizers` serializes it (tokenizer.json), e.g. for a grammar engine
+    that reads the vocabulary itself."""
+    return self._backend.to_str()
+
   @property
   def bos_token_id(self) -> int | None:
     bos = self._special_tokens["bos_token"]

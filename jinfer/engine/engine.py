@@ -24,6 +24,7 @@ from jinfer.engine.step_input import MAX_BANNED, RowError, StepInput, build_step
 from jinfer.engine import weight_quantization
 from jinfer.parallel.mesh import make_mesh
 from jinfer.parallel.sharding import check_tensor_parallel, duplicate_kv_heads
+from jinfer.sampling.grammar import GrammarCompiler
 from jinfer.sampling.sample import SampleOutput
 from jinfer.sampling.params import SamplingParams
 from jinfer.errors import ParameterError
@@ -127,7 +128,10 @@ class LLMEngine:
     self.blocks = BlockManager(config.num_pages, config.cache.page_size,
                                config.cache.enable_prefix_caching,
                                num_ranks=par.context_parallel_size)
-    self.buckets = config.buckets()
+    # The step carries a structured-output mask over the model's logits: [S, ceil(V / 32)].
+    self.buckets = dataclasses.replace(config.buckets(), vocab_size=model_config.vocab_size)
+    self.grammars = (GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_ids)
+                     if tokenizer is not None else None)
     spec = config.speculative
     self.proposer: Proposer | None = None
     self.spec_stats = None
@@ -286,6 +290,18 @@ class LLMEngine:
     if params.stop and self.tokenizer is None:
       raise ParameterError("stop", "stop strings need a tokenizer; this engine has none "
                                    "(skip_tokenizer_init)")
+    if params.structured_outputs is not None:
+      if self.grammars is None:
+        raise ParameterError("structured_outputs", "structured outputs need a tokenizer; this "
+                                                   "engine has none (skip_tokenizer_init)")
+      if params.min_tokens:
+        # Banning EOS could leave a finished constraint no token at all.
+        raise ParameterError("min_tokens", "min_tokens cannot be combined with "
+                                           "structured_outputs: the constraint decides where "
+                                           "the output ends")
+      # Compiled here, into the cache add_request takes it from: `LLM.generate` validates every
+      # request before it queues any.
+      self.grammars.matcher(params.structured_outputs)
     if params.prompt_logprobs is not None and not self.config.model.enable_prompt_logprobs:
       raise ParameterError("prompt_logprobs",
                            "prompt_logprobs needs the engine option enable_prompt_logprobs=True")
@@ -299,6 +315,8 @@ class LLMEngine:
       raise ValueError(f"request id {request_id!r} is already in use")
     ids = self.tokenize(prompt)
     self.validate(ids, params)
+    matcher = (self.grammars.matcher(params.structured_outputs)
+               if params.structured_outputs is not None else None)
     seed = params.seed if params.seed is not None else int(self._seed_rng.integers(1 << 31))
     metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
     seqs: list[Sequence] = []
@@ -308,7 +326,8 @@ class LLMEngine:
                      seed=(seed + i * 0x9E3779B1) & 0xFFFFFFFF,
                      metrics=metrics if i == 0 else dataclasses.replace(metrics, token_times=[]),
                      cache_salt=cache_salt, wait_for=seqs[0] if seqs else None,
-                     spec_state=self.proposer and self.proposer.new_state())
+                     spec_state=self.proposer and self.proposer.new_state(),
+                     matcher=matcher if matcher is None or i == 0 else matcher.deep_copy())
       if self.tokenizer is not None:
         seq.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
       seqs.append(seq)
@@ -324,6 +343,7 @@ class LLMEngine:
     if group is None:
       return False
     for seq in group.seqs:
+      seq.matcher = None
       if not seq.finished:
         seq.finish_reason = "abort"
         self.scheduler.finish(seq)
@@ -459,6 +479,11 @@ class LLMEngine:
       return 0
     if self._ahead and not self.compiler.finished:  # the verify steps are still compiling
       return 0
+    if seq.matcher is not None:
+      # The verify rows after the first would each need the mask of their own draft prefix;
+      # the step carries one mask per sequence, so a constrained sequence decodes one token a
+      # step (its output is the same as with speculation, a test checks it).
+      return 0
     p = seq.params
     max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
     room = self.max_model_len - seq.num_tokens - 1
@@ -481,10 +506,13 @@ class LLMEngine:
 
   def _emit(self, groups: Iterable[_Group]) -> list[RequestOutput]:
     """The outputs of these requests now; finished ones are forgotten."""
+    groups = list(groups)
     outputs = [self._output(g) for g in groups]
-    for o in outputs:
+    for g, o in zip(groups, outputs):
       if o.finished:
         self.groups.pop(o.request_id, None)
+        for seq in g.seqs:
+          seq.matcher = None
     return outputs
 
   def _build_step_input(self, batch: ScheduledBatch, failed: dict[str, _Group],
@@ -500,7 +528,7 @@ class LLMEngine:
     while batch.seqs:
       try:
         return build_step_input(batch, self.buckets, self.config.cache.page_size, self.eos_ids,
-                                pick)
+                                pick, self.grammars and self.grammars.fill)
       except RowError as e:
         log.error("dropped a sequence from the step", exc_info=e)
         seq = batch.seqs.pop(e.index)
@@ -538,6 +566,13 @@ class LLMEngine:
     seq.output_token_ids.append(token)
     self.generation_tokens += 1
     seq.mark_token_time(now)
+    constraint_done = False
+    if seq.matcher is not None:
+      if not seq.matcher.consume_token(token):  # the mask allowed it: a limit hit, or a bug
+        raise RuntimeError(f"structured outputs: token {token} broke the constraint: "
+                           f"{seq.matcher.get_error()}")
+      # Nothing but EOS may follow: the output is complete (EOS itself included).
+      constraint_done = seq.matcher.is_stopped()
     if p.logprobs is not None:
       entry = {token: float(out.logprobs[row])}
       for tid, lp in zip(out.top_ids[row][:p.logprobs], out.top_logprobs[row][:p.logprobs]):
@@ -552,12 +587,14 @@ class LLMEngine:
       seq.text += seq.detok.add(token) if seq.detok else ""
       if p.stop and n_out >= p.min_tokens and self._check_stop_strings(seq):
         return
+      if constraint_done:
+        seq.finish_reason = "stop"
     if seq.finish_reason is None:
       max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
       if n_out >= max_tokens or seq.num_tokens >= self.max_model_len:
         seq.finish_reason = "length"
-    if seq.finish_reason is not None:
-      seq.text += seq.detok.flush() if seq.detok and seq.finish_reason == "length" else ""
+    if seq.detok and (seq.finish_reason == "length" or constraint_done):
+      seq.text += seq.detok.flush()
 
   def _record_prompt_logprobs(self, seq: Sequence, plp, first_row: int, n: int):
     """Rows first_row.. hold positions num_computed..; position p predicts prompt token p+1."""

@@ -79,6 +79,9 @@ class Sequence:
   sent_tokens: int = 0  # how many tokens have been reported
   detok: object = None  # IncrementalDetokenizer, made by the engine
   cache_salt: object = None
+  # Under a structured-output constraint: its matcher (llguidance), advanced with each token
+  # the sequence keeps; it masks the sequence's next token (jinfer/sampling/grammar.py).
+  matcher: object = None
   # Siblings wait for the first sample's prompt so they hit its cached pages.
   wait_for: "Sequence | None" = None
 

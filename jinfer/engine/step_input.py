@@ -24,6 +24,7 @@ import numpy as np
 from flax import struct
 
 from jinfer.sampling.accept import VerifyTensors
+from jinfer.sampling.grammar import mask_words
 from jinfer.engine.request import Sequence
 from jinfer.engine.scheduler import ScheduledBatch
 from jinfer.sampling.sample import SamplingTensors
@@ -71,6 +72,9 @@ class Buckets:
   num_speculative_tokens: int = 0  # k; > 0 adds the verify variant of every bucket
   smallest_bucket: int = 1
   tree: Tree | None = None  # verify steps check this tree's first k nodes, not a chain of k
+  # The model's logits per row: sizes the structured-output masks [S, ceil(V / 32)] (0: the
+  # step carries none, for callers that build sampling tensors without an engine).
+  vocab_size: int = 0
 
   @property
   def token_buckets(self) -> list[int]:
@@ -127,7 +131,8 @@ def empty_step_input(b: Buckets, t: int, prompt_logprobs: bool = False,
       frequency_penalty=np.zeros(s, np.float32), seeds=np.zeros(s, np.uint32), gen_idx=z(s),
       history=np.full((s, b.max_model_len), -1, np.int32), prompt_lens=z(s),
       banned=np.full((s, MAX_BANNED), -1, np.int32), num_logprobs=z(s), target_ids=z(t),
-      prompt_logprobs=prompt_logprobs)
+      prompt_logprobs=prompt_logprobs,
+      allowed=np.full((s, mask_words(b.vocab_size)), -1, np.int32) if b.vocab_size else None)
 
 
 def to_step_input(a: dict, b: Buckets) -> StepInput:
@@ -149,8 +154,11 @@ def to_step_input(a: dict, b: Buckets) -> StepInput:
 
 def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
                      eos_ids: tuple[int, ...],
-                     pick: Callable[[int], int] | None = None) -> StepInput:
-  """`pick(num_tokens)`: the bucket to run in (default `b.pick`: the smallest that holds it)."""
+                     pick: Callable[[int], int] | None = None,
+                     fill_masks: Callable[[np.ndarray, list], None] | None = None) -> StepInput:
+  """`pick(num_tokens)`: the bucket to run in (default `b.pick`: the smallest that holds it).
+  `fill_masks(allowed [S, W], [(matcher, row)])`: writes the token masks of the sequences under
+  a structured-output constraint that sample this step."""
   n_tok = batch.num_tokens
   # A draft model's own pass over the batch leaves out the drafts and adds the tokens it lags
   # behind; its rows must fit the same bucket.
@@ -165,6 +173,7 @@ def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
   a = empty_step_input(b, t, want_prompt_lp, verify)
   a["num_seqs"][0] = len(batch.seqs)
   any_penalty = any(_has_penalty(s) for s in batch.seqs)
+  constrained = []  # (matcher, row) of the sequences whose token this step is masked
   off = r = 0
   for i, (seq, n, m) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.num_drafts)):
     try:
@@ -218,9 +227,13 @@ def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
       if len(seq.output_token_ids) < p.min_tokens:
         banned = (() if p.ignore_eos else eos_ids) + p.stop_token_ids
         a["banned"][i, :len(banned)] = banned
+      if seq.matcher is not None and start + n - m >= seq.num_tokens:  # it samples this step
+        constrained.append((seq.matcher, i))
     except Exception as e:  # what the checks upstream missed fails this sequence alone
       raise RowError(i, e) from e
   a["cu_q_lens"][len(batch.seqs) + 1:] = off
+  if constrained:
+    fill_masks(a["allowed"], constrained)
   return to_step_input(a, b)
 
 

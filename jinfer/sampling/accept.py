@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jinfer.sampling.sample import (SampleOutput, SamplingTensors, any_penalty, ban, choose,
-                                    penalize, top_logprobs)
+                                    constrain, penalize, top_logprobs)
 from jinfer.sampling.tree import Tree
 
 
@@ -112,7 +112,9 @@ def accept(logits: jax.Array, st: SamplingTensors, vt: VerifyTensors, tree: Tree
   x = jax.lax.cond(any_penalty(st),
                    lambda l: penalize(l, row_tensors(st, vt, with_history=True, tree=tree)),
                    lambda l: l, logits)
-  x = ban(x, rst.banned)  # [R, V]
+  # A row's token mask is its sequence's, right at depth 0 only: the engine gives no drafts to
+  # a sequence under a structured-output constraint.
+  x = constrain(ban(x, rst.banned), rst.allowed)  # [R, V]
   pick = choose(x, rst)  # [R]: the target's token at each node
   parent_row = rows_of[:, jnp.asarray(tree.parent[1:])]  # [S, K]
   live = jnp.arange(1, k + 1)[None, :] <= vt.num_drafts[:, None]  # [S, K]

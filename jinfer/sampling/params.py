@@ -61,6 +61,48 @@ def _bool(name: str, v) -> bool:
   return bool(v)
 
 
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+  """A constraint on a request's output (vLLM's names); exactly one field is set. The output
+  is masked token by token so that it always stays a prefix of a string the constraint accepts
+  (see `jinfer/sampling/grammar.py`); a cut by `max_tokens` may leave it incomplete."""
+  json: dict | str | None = None  # a JSON schema (a dict, or its JSON text)
+  regex: str | None = None
+  choice: list[str] | None = None  # one of these strings exactly
+  grammar: str | None = None  # a Lark grammar as llguidance reads it
+  json_object: bool = False  # any JSON object
+
+  def __post_init__(self):
+    if self.choice is not None:  # a tuple: the params are immutable
+      if (not isinstance(self.choice, (list, tuple)) or not self.choice
+          or not all(isinstance(c, str) for c in self.choice)):
+        raise ParameterError("structured_outputs", f"structured_outputs.choice must be a "
+                                                   f"non-empty list of strings, got "
+                                                   f"{_show(self.choice)}")
+      object.__setattr__(self, "choice", tuple(self.choice))
+    if self.json is not None and not isinstance(self.json, (dict, str)):
+      raise ParameterError("structured_outputs", f"structured_outputs.json must be a JSON "
+                                                 f"schema (an object or its text), got "
+                                                 f"{_show(self.json)}")
+    for name in ("regex", "grammar"):
+      v = getattr(self, name)
+      if v is not None and not isinstance(v, str):
+        raise ParameterError("structured_outputs",
+                             f"structured_outputs.{name} must be a string, got {_show(v)}")
+    _bool("structured_outputs.json_object", self.json_object)
+    kinds = self.kinds
+    if len(kinds) != 1:
+      raise ParameterError("structured_outputs", f"structured_outputs takes exactly one of json, "
+                                                 f"regex, choice, grammar, json_object; got "
+                                                 f"{', '.join(kinds) or 'none'}")
+
+  @property
+  def kinds(self) -> list[str]:
+    """The fields that are set."""
+    return [f.name for f in dataclasses.fields(self)
+            if getattr(self, f.name) not in (None, False)]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
   n: int = 1
@@ -81,6 +123,7 @@ class SamplingParams:
   logprobs: int | None = None  # top-N logprobs per generated token
   prompt_logprobs: int | None = None  # top-N logprobs per prompt token
   skip_special_tokens: bool = True
+  structured_outputs: StructuredOutputsParams | None = None
 
   def __post_init__(self):
     fields = dict(
@@ -105,12 +148,25 @@ class SamplingParams:
         else _int("logprobs", self.logprobs, 0, MAX_LOGPROBS),
         prompt_logprobs=None if self.prompt_logprobs is None
         else _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS),
-        skip_special_tokens=_bool("skip_special_tokens", self.skip_special_tokens))
+        skip_special_tokens=_bool("skip_special_tokens", self.skip_special_tokens),
+        structured_outputs=self._structured_outputs())
     if fields["max_tokens"] is not None and fields["min_tokens"] > fields["max_tokens"]:
       raise ParameterError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                                          f"({self.max_tokens})")
     for name, value in fields.items():
       object.__setattr__(self, name, value)
+
+  def _structured_outputs(self) -> StructuredOutputsParams | None:
+    so = self.structured_outputs
+    if so is None or isinstance(so, StructuredOutputsParams):
+      return so
+    if isinstance(so, dict):  # vLLM's extra body field, as it comes from JSON
+      try:
+        return StructuredOutputsParams(**so)
+      except TypeError as e:
+        raise ParameterError("structured_outputs", f"structured_outputs: {e}") from None
+    raise ParameterError("structured_outputs", f"structured_outputs must be a "
+                                               f"StructuredOutputsParams, got {_show(so)}")
 
   def _stop(self) -> tuple[str, ...]:
     stop = (self.stop,) if isinstance(self.stop, str) else self.stop

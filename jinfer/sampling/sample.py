@@ -30,6 +30,9 @@ class SamplingTensors:
   prompt_lens: jax.Array  # [S] int32
   banned: jax.Array  # [S, B] int32: tokens forbidden this step (EOS under min_tokens), -1 padded
   num_logprobs: jax.Array  # [S] int32
+  # [S, W] int32, W = ceil(V / 32): bit b of word w allows token 32 w + b (all ones: no
+  # constraint; see jinfer/sampling/grammar.py). None only where a test builds the tensors.
+  allowed: jax.Array | None = None
 
 
 @struct.dataclass
@@ -119,10 +122,25 @@ def ban(x: jax.Array, banned: jax.Array) -> jax.Array:
   return x.at[rows, jnp.where(banned >= 0, banned, v)].set(-jnp.inf, mode="drop")
 
 
+def _mask(x: jax.Array, allowed: jax.Array) -> jax.Array:
+  """x [S, V] with the tokens whose bit is clear in allowed [S, W] set to -inf."""
+  s, v = x.shape
+  bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+  return jnp.where(bits.reshape(s, -1)[:, :v] != 0, x, -jnp.inf)
+
+
+def constrain(x: jax.Array, allowed: jax.Array | None) -> jax.Array:
+  """x [S, V] under each row's token mask (structured outputs); free unless some row has one."""
+  if allowed is None:
+    return x
+  return jax.lax.cond(jnp.any(allowed != -1), _mask, lambda l, _: l, x, allowed)
+
+
 def process(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [S, V]
-  """The request's own changes to the model's logits: penalties, then banned tokens."""
+  """The request's own changes to the model's logits: penalties, then banned tokens, then the
+  structured-output mask (as vLLM: before temperature and the top-k/top-p/min-p filters)."""
   x = jax.lax.cond(any_penalty(st), penalize, lambda l, _: l, logits, st)
-  return ban(x, st.banned)
+  return constrain(ban(x, st.banned), st.allowed)
 
 
 def top_logprobs(logits: jax.Array, num_logprobs: jax.Array) -> tuple[jax.Array, ...]:
