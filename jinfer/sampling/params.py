@@ -61,6 +61,15 @@ def _bool(name: str, v) -> bool:
   return bool(v)
 
 
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:   # vLLM's names
+  json: dict | str | None = None   # a JSON schema (dict, or its JSON text)
+  regex: str | None = None
+  choice: list[str] | None = None
+  grammar: str | None = None       # a Lark grammar as llguidance reads it
+  json_object: bool = False        # any JSON object
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
   n: int = 1
@@ -81,6 +90,7 @@ class SamplingParams:
   logprobs: int | None = None  # top-N logprobs per generated token
   prompt_logprobs: int | None = None  # top-N logprobs per prompt token
   skip_special_tokens: bool = True
+  structured_outputs: StructuredOutputsParams | None = None
 
   def __post_init__(self):
     fields = dict(
