@@ -23,7 +23,7 @@ from jinfer.serving.options import ServerOptions
 from jinfer.serving.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatStreamChoice,
                                      CompletionRequest, DeltaMessage)
 from jinfer.serving.tool_parsers import (ConstrainedParser, ParsedCall, StreamingToolCalls,
-                                         get_parser)
+                                         content_of, get_parser)
 from jinfer.serving.tools import DEFAULT_TOOL_PROMPT, default_prompt_messages
 from jinfer.serving.completions import _tool_deltas
 from jinfer.tokenizer import Tokenizer
@@ -70,6 +70,8 @@ HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci
     ("hermes", '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "g"}</tool_call>',
      '<tool_call>{"arguments": {}}</tool_call>', [("g", {})]),
     ("hermes", "plain text with <tool_ but no call", "plain text with <tool_ but no call", []),
+    ("hermes", '\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n\n', "\n\n\n", [("f", {})]),
+    ("hermes", "  \n", "  \n", []),
     ("llama3_json", '{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}',
      "", [("f", {"x": 1}), ("g", {})]),
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"x": "a b"}}', "",
@@ -87,10 +89,10 @@ def test_parsers_on_known_texts(name, text, content, calls):
   parsed = parser.parse(text, final=True)
   assert parsed.content == content
   assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == calls
-  # A stream sends the same content and calls, whatever the split.
+  # A stream sends the message's content and the same calls, whatever the split.
   for step in (1, 3, len(text)):
     streamed_content, streamed_calls = _stream(parser, text, step)
-    assert streamed_content == content and streamed_calls == parsed.calls
+    assert streamed_content == (content_of(parsed) or "") and streamed_calls == parsed.calls
 
 
 def test_a_stream_sends_text_before_a_call_at_once_and_each_call_when_it_closes():

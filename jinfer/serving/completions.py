@@ -21,7 +21,8 @@ from jinfer.serving.protocol import (AssistantMessage, ChatChoice, ChatCompletio
                                      ErrorResponse, FunctionCallOut, PromptTokensDetails,
                                      SamplingRequest, ToolCall, TopLogprob, Usage)
 from jinfer.serving.tool_parsers import (ConstrainedParser, ParsedCall, StreamingToolCalls,
-                                         ToolParser, call_id, get_parser)
+                                         ToolParser, call_id, content_of,
+                                         get_parser)
 from jinfer.serving.tools import default_prompt_messages, template_messages
 
 _MIN_LOGPROB = -9999.0  # what OpenAI reports for tokens sampling could never pick (-inf)
@@ -321,7 +322,7 @@ class OpenAIServing:
       if parser is not None:
         parsed = parser.parse(c.text, final=True)
         calls = parsed.calls
-        content = parsed.content if parsed.content.strip() or not calls else None
+        content = content_of(parsed)
       choices.append(ChatChoice(
           index=c.index, message=AssistantMessage(content=content, tool_calls=_tool_calls(calls)),
           finish_reason=_finish(c, bool(calls)), stop_reason=c.stop_reason,

@@ -214,17 +214,19 @@ class ConstrainedParser(ToolParser):
 class StreamingToolCalls:
   """One choice's stream: feed each text delta, get (content to send now, calls closed since the
   last feed); `finish` gives what is left. The content sent plus what `finish` gives equals the
-  non-streamed content, and the calls are the non-streamed calls, in order."""
+  non-streamed content (`content_of`), and the calls are the non-streamed calls, in order."""
 
   def __init__(self, parser: ToolParser):
     self.parser, self.text, self.sent, self.calls_sent = parser, "", 0, 0
+    # Blank text is held until text follows: around calls alone, there is no content at all.
+    self.blank, self.said = "", False
 
   def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
     self.text += delta
     # The text before the first place a call may begin is content whatever follows; a later
     # marker cannot begin before a held-back partial one, so `start` never moves back.
     start = max(self.parser.call_start(self.text), self.sent)
-    content, self.sent = self.text[self.sent:start], start
+    content, self.sent = self._say(self.text[self.sent:start]), start
     calls = self.parser.parse(self.text, final=False).calls[self.calls_sent:]
     self.calls_sent += len(calls)
     return content, calls
@@ -235,4 +237,19 @@ class StreamingToolCalls:
     # parse, a partial marker that stayed text) comes now.
     sent = self.text[:self.sent]
     rest = parsed.content[len(sent):] if parsed.content.startswith(sent) else parsed.content
+    rest, self.blank = self.blank + rest, ""
+    if not self.said and not rest.strip() and parsed.calls:
+      rest = ""  # as content_of: calls with blank text only have no content
     return rest, parsed.calls[self.calls_sent:]
+
+  def _say(self, text: str) -> str:
+    if not (self.blank + text).strip():
+      self.blank += text
+      return ""
+    text, self.blank, self.said = self.blank + text, "", True
+    return text
+
+
+def content_of(parsed: Parsed) -> str | None:
+  """The message content of a parsed output: None when calls came with blank text only."""
+  return parsed.content if parsed.content.strip() or not parsed.calls else None
