@@ -386,20 +386,20 @@ def test_bad_requests_get_400_naming_the_field_and_queue_nothing(server, fields,
 
 
 def test_tools_with_auto_answer_and_their_stream_agree(server, client):
-  kw = dict(model=MODEL, messages=CHAT, tools=[UNIT], max_tokens=8, temperature=0,
+  kw = dict(model=MODEL, messages=CHAT, tools=[UNIT], max_tokens=8, temperature=1, seed=5, n=2,
             extra_body={"ignore_eos": True})
   full = client.chat.completions.create(**kw)
-  (choice,) = full.choices
-  calls = choice.message.tool_calls or []
-  assert choice.finish_reason == ("tool_calls" if calls else "length")
-  assert choice.message.content is not None or calls
   chunks = list(client.chat.completions.create(**kw, stream=True))
-  content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-  assert content == (choice.message.content or "")
-  streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
-  assert [(t.function.name, t.function.arguments) for t in streamed] == \
-      [(t.function.name, t.function.arguments) for t in calls]
-  assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+  for choice in full.choices:
+    calls = choice.message.tool_calls or []
+    assert choice.finish_reason == ("tool_calls" if calls else "length")
+    assert choice.message.content is not None or calls
+    mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+    assert "".join(d.delta.content or "" for d in mine) == (choice.message.content or "")
+    streamed = [t for d in mine for t in d.delta.tool_calls or []]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == \
+        [(t.function.name, t.function.arguments) for t in calls]
+    assert mine[-1].finish_reason == choice.finish_reason
 
 
 def test_tool_history_renders_and_runs(server, client):
@@ -436,7 +436,7 @@ def test_choice_constraint_holds(client):
 
 @NEEDS_ENGINE
 def test_a_named_call_always_parses_streamed_and_not(client):
-  kw = dict(model=MODEL, messages=CHAT, tools=[UNIT], max_tokens=24, temperature=1, seed=3,
+  kw = dict(model=MODEL, messages=CHAT, tools=[UNIT], max_tokens=40, temperature=1, seed=3,
             tool_choice={"type": "function", "function": {"name": "set_unit"}})
   (choice,) = client.chat.completions.create(**kw).choices
   assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -474,7 +474,7 @@ def test_the_builtin_model_answers_tools_out_of_the_box(builtin_client):
 @NEEDS_ENGINE
 def test_required_calls_on_the_builtin_model_parse_and_validate(builtin_client):
   kw = dict(model="smollm2-135m-instruct", tools=[WEATHER, UNIT], tool_choice="required",
-            max_tokens=64, temperature=0,
+            max_tokens=128, temperature=0,
             messages=[{"role": "user", "content": "What is the weather in Paris?"}])
   (choice,) = builtin_client.chat.completions.create(**kw).choices
   assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
@@ -486,3 +486,27 @@ def test_required_calls_on_the_builtin_model_parse_and_validate(builtin_client):
   assert [(t.function.name, t.function.arguments) for t in streamed] == \
       [(t.function.name, t.function.arguments) for t in choice.message.tool_calls]
   assert [t.index for t in streamed] == list(range(len(streamed)))
+
+
+def test_auto_on_a_template_with_tools_needs_the_flags(tiny_model):
+  from jinfer.serving.completions import OpenAIServing
+  from jinfer.serving.errors import BadRequest
+  from jinfer.serving.tool_parsers import HermesParser, MistralParser
+
+  def parser_of(template: str, **flags):
+    serving = OpenAIServing.__new__(OpenAIServing)
+    serving.tokenizer = _with_template(tiny_model[2], template)
+    serving.enable_auto_tool_choice = flags.get("enable_auto_tool_choice", False)
+    serving.tool_call_parser = flags.get("tool_call_parser")
+    return lambda **fields: serving.tool_parser(_chat(**fields))
+
+  native = parser_of(QWEN_STYLE)
+  with pytest.raises(BadRequest, match="--enable-auto-tool-choice and --tool-call-parser") as e:
+    native(tools=[WEATHER])
+  assert e.value.param == "tool_choice"
+  assert isinstance(native(tools=[WEATHER], tool_choice="required"), ConstrainedParser)
+  assert native(tools=[WEATHER], tool_choice="none") is None and native() is None
+  flagged = parser_of(QWEN_STYLE, enable_auto_tool_choice=True, tool_call_parser="mistral")
+  assert isinstance(flagged(tools=[WEATHER]), MistralParser)
+  # A template without a tool format gets the default prompt, hence hermes, whatever the flags.
+  assert isinstance(parser_of(tiny_model[2].chat_template)(tools=[WEATHER]), HermesParser)
