@@ -224,6 +224,7 @@ def test_an_engine_refusal_of_a_constraint_names_the_field_it_came_from():
 
 def test_wrong_shapes_are_refused_by_the_schema():
   for fields in ({"response_format": {"type": "xml"}}, {"tool_choice": "always"},
+                 {"tool_choice": {"type": "function", "function": {}}},
                  {"tools": [{"type": "retrieval"}]}, {"structured_outputs": {"choice": "a"}}):
     with pytest.raises(ValidationError):
       _chat(**fields)

@@ -347,6 +347,10 @@ class ChatCompletionRequest(SamplingRequest):
                        f"\"function\": {{\"name\": ...}}}}, got {_show(v)}")
     if v is not None and not isinstance(v, (str, dict)):
       raise ValueError(f"must be a string or an object naming a function, got {_show(v)}")
+    if isinstance(v, dict) and (v.get("type") != "function" or not isinstance(
+        v.get("function"), dict) or not isinstance(v["function"].get("name"), str)):
+      raise ValueError(f"a named tool choice is {{\"type\": \"function\", \"function\": "
+                       f"{{\"name\": ...}}}}, got {_show(v)}")
     return v
 
   @property
