@@ -70,7 +70,8 @@ HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"ci
     ("hermes", '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "g"}</tool_call>',
      '<tool_call>{"arguments": {}}</tool_call>', [("g", {})]),
     ("hermes", "plain text with <tool_ but no call", "plain text with <tool_ but no call", []),
-    ("hermes", '\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n\n', "\n\n\n", [("f", {})]),
+    ("hermes", '\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n\n', "\n\n\n",
+     [("f", {})]),
     ("hermes", "  \n", "  \n", []),
     ("llama3_json", '{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}',
      "", [("f", {"x": 1}), ("g", {})]),
@@ -108,7 +109,8 @@ def test_a_stream_sends_text_before_a_call_at_once_and_each_call_when_it_closes(
 
 def test_constrained_output_parses_as_one_call_or_an_array():
   p = ConstrainedParser()
-  assert p.parse('{"name": "f", "arguments": {"a": 1}}', True).calls == [ParsedCall("f", '{"a": 1}')]
+  one = '{"name": "f", "arguments": {"a": 1}}'
+  assert p.parse(one, True).calls == [ParsedCall("f", '{"a": 1}')]
   assert [c.name for c in p.parse('[{"name": "f", "arguments": {}}, {"name": "g", "arguments": '
                                   '{}}]', True).calls] == ["f", "g"]
   cut = '[{"name": "f", "argu'  # cut by max_tokens
@@ -412,7 +414,8 @@ def test_tool_history_renders_and_runs(server, client):
                                        tool_choice="none", max_tokens=2)
   want = _render(server.engine.tokenizer, messages, tools=[UNIT])
   assert "<tool_call>set_unit</tool_call>" in want and "tools: set_unit" in want
-  assert out.usage.prompt_tokens == len(server.engine.tokenizer.encode(want, add_special_tokens=False))
+  want_ids = server.engine.tokenizer.encode(want, add_special_tokens=False)
+  assert out.usage.prompt_tokens == len(want_ids)
   assert out.choices[0].message.tool_calls is None and out.choices[0].finish_reason != "tool_calls"
 
 
