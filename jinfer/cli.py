@@ -7,6 +7,7 @@ import sys
 
 from jinfer import logs
 from jinfer.serving.options import ServerOptions
+from jinfer.serving.tool_parsers import PARSERS
 from jinfer.loader import DEFAULT_MODEL
 
 
@@ -218,7 +219,9 @@ def cmd_serve(args):
       allowed_hosts=tuple(args.allowed_hosts), allowed_origins=tuple(args.allowed_origins),
       max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
       body_timeout=args.body_timeout, max_connections=args.max_connections,
-      max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout)
+      max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
+      enable_auto_tool_choice=args.enable_auto_tool_choice,
+      tool_call_parser=args.tool_call_parser)
   serve(args.model, options=options, served_model_name=args.served_model_name, config=config,
         distributed_config=dist)
 
@@ -358,6 +361,12 @@ def parser() -> argparse.ArgumentParser:
                  help="seconds a request may take to send its body (then 408)")
   p.add_argument("--max-connections", type=int, default=serving.max_connections,
                  help="requests beyond this many open connections get 503")
+  p.add_argument("--enable-auto-tool-choice", action="store_true",
+                 help='answer tool_choice "auto" (the default with tools) by parsing the '
+                      "model's calls; needs --tool-call-parser")
+  p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                 help="the tool-call format of the model's chat template (a template without "
+                      "one gets jinfer's default tool prompt and hermes)")
   _add_engine_args(p)
   _add_multi_process_args(p)
   p.set_defaults(fn=cmd_serve)

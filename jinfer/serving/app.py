@@ -80,7 +80,9 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str,
   """The app; its lifespan starts the engine loop and, at shutdown, drains it for up to
   `options.shutdown_timeout` seconds before aborting what is left."""
   metrics = ServerMetrics(engine, model_name)
-  serving = OpenAIServing(engine, model_name, metrics)
+  serving = OpenAIServing(engine, model_name, metrics,
+                          enable_auto_tool_choice=options.enable_auto_tool_choice,
+                          tool_call_parser=options.tool_call_parser)
   created = int(time.time())
   api_key = options.api_key
 

@@ -3,6 +3,7 @@ requests, engine outputs become OpenAI responses or server-sent event streams.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import AsyncIterator
 
@@ -16,8 +17,13 @@ from jinfer.serving.protocol import (AssistantMessage, ChatChoice, ChatCompletio
                                      ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                      ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
                                      CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                     DeltaMessage, ErrorInfo, ErrorResponse, PromptTokensDetails,
-                                     SamplingRequest, TopLogprob, Usage)
+                                     DeltaFunctionCall, DeltaMessage, DeltaToolCall, ErrorInfo,
+                                     ErrorResponse, FunctionCallOut, PromptTokensDetails,
+                                     SamplingRequest, ToolCall, TopLogprob, Usage)
+from jinfer.serving.tool_parsers import (ConstrainedParser, ParsedCall, StreamingToolCalls,
+                                         ToolParser, call_id, content_of,
+                                         get_parser)
+from jinfer.serving.tools import default_prompt_messages, template_messages
 
 _MIN_LOGPROB = -9999.0  # what OpenAI reports for tokens sampling could never pick (-inf)
 DONE = "data: [DONE]\n\n"
@@ -29,9 +35,24 @@ def sse(obj) -> str:
   return f"data: {obj.model_dump_json()}\n\n"
 
 
-def _finish(c: CompletionOutput) -> str | None:
+def _finish(c: CompletionOutput, called: bool = False) -> str | None:
   # "abort" and "error" never reach a response: those end the stream with an error instead.
+  if called and c.finish_reason == "stop":
+    return "tool_calls"  # as OpenAI: the model stopped to have its calls run
   return c.finish_reason if c.finish_reason in ("stop", "length") else None
+
+
+def _tool_calls(calls: list[ParsedCall]) -> list[ToolCall] | None:
+  return [ToolCall(id=call_id(), function=FunctionCallOut(name=c.name, arguments=c.arguments))
+          for c in calls] or None
+
+
+def _tool_deltas(calls: list[ParsedCall], first: int) -> list[DeltaToolCall] | None:
+  # Each call whole in one delta (index, id, type, name and all its arguments): OpenAI's clients
+  # accumulate argument fragments, and one fragment is a valid split.
+  return [DeltaToolCall(index=first + k, id=call_id(), type="function",
+                        function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+          for k, c in enumerate(calls)] or None
 
 
 def _usage(finals: list[RequestOutput]) -> Usage:
@@ -53,10 +74,34 @@ def stream_error(e: BaseException) -> ErrorResponse:
 
 class OpenAIServing:
 
-  def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics):
+  def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, *,
+               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
     self.engine, self.model_name, self.metrics = engine, model_name, metrics
     self.tokenizer = engine.tokenizer
     self._token_text: dict[int, str] = {}
+    self.enable_auto_tool_choice, self.tool_call_parser = enable_auto_tool_choice, tool_call_parser
+    if tool_call_parser is not None:
+      get_parser(tool_call_parser)  # an unknown name fails at startup, not per request
+
+  @property
+  def template_has_tools(self) -> bool:
+    """Whether the chat template writes the tools itself; if not, jinfer's default tool prompt
+    (hermes format) does."""
+    return "tools" in self.tokenizer.chat_template_variables
+
+  def tool_parser(self, req: ChatCompletionRequest) -> ToolParser | None:
+    """The parser of this request's output: None when no call can come back."""
+    mode = req.tool_mode
+    if mode == "none":
+      return None
+    if mode in ("required", "named"):
+      return ConstrainedParser()
+    if not self.template_has_tools:
+      return get_parser("hermes")  # the format of the default tool prompt
+    if not (self.enable_auto_tool_choice and self.tool_call_parser):
+      raise BadRequest('"auto" tool choice needs the server started with '
+                       '--enable-auto-tool-choice and --tool-call-parser', param="tool_choice")
+    return get_parser(self.tool_call_parser)
 
   # -- turning requests into engine requests ----------------------------------------------
   async def submit_completion(self, req: CompletionRequest,
@@ -78,6 +123,9 @@ class OpenAIServing:
 
   async def submit_chat(self, req: ChatCompletionRequest, request_id: str) -> list[RequestStream]:
     params = req.sampling_params()
+    parser = self.tool_parser(req)
+    if parser is not None and parser.needs_special_tokens:
+      params = dataclasses.replace(params, skip_special_tokens=False)
     ids = await self.engine.prepare(self._chat_prompt, req, params)
     return self._submit([ids], params, request_id)
 
@@ -90,9 +138,17 @@ class OpenAIServing:
                        param="chat_template_kwargs")
     # Keys the template never reads are dropped, as vLLM does: they could only clash.
     usable = self.tokenizer.chat_template_variables
+    messages = [m.for_template() for m in req.messages]
+    tools = req.tools_for_template()
+    if self.template_has_tools:
+      messages = template_messages(messages)
+      if tools is not None:
+        kwargs = {**kwargs, "tools": tools}
+    elif tools is not None or any(m.role == "tool" or m.tool_calls for m in req.messages):
+      messages = default_prompt_messages(messages, tools)
     try:
       text = self.tokenizer.apply_chat_template(
-          [m.for_template() for m in req.messages], add_generation_prompt=True,
+          messages, add_generation_prompt=True,
           **{k: v for k, v in kwargs.items() if k in usable})
     except Exception as e:  # the template works for well-formed input: the request broke it
       raise BadRequest(f"the chat template could not render these messages: {e}",
@@ -259,11 +315,19 @@ class OpenAIServing:
     final = None
     async for _, out in self._merge(streams):
       final = out
-    choices = [ChatChoice(
-        index=c.index, message=AssistantMessage(content=c.text), finish_reason=_finish(c),
-        stop_reason=c.stop_reason,
-        logprobs=self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
-        if req.logprobs else None) for c in final.outputs]
+    parser = self.tool_parser(req)
+    choices = []
+    for c in final.outputs:
+      content, calls = c.text, []
+      if parser is not None:
+        parsed = parser.parse(c.text, final=True)
+        calls = parsed.calls
+        content = content_of(parsed)
+      choices.append(ChatChoice(
+          index=c.index, message=AssistantMessage(content=content, tool_calls=_tool_calls(calls)),
+          finish_reason=_finish(c, bool(calls)), stop_reason=c.stop_reason,
+          logprobs=self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+          if req.logprobs else None))
     return ChatCompletionResponse(id=request_id, created=created, model=self.model_name,
                                   choices=choices, usage=_usage([final]))
 
@@ -275,6 +339,10 @@ class OpenAIServing:
       return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
                                      choices=choices, usage=usage))
 
+    parser = self.tool_parser(req)
+    # Per choice: the text held while a call may be in it, and how many calls went out.
+    calls_of = {k: StreamingToolCalls(parser) for k in range(req.n)} if parser else {}
+    sent_calls = dict.fromkeys(range(req.n), 0)
     try:
       # Each choice opens with the role, before any token exists (as OpenAI's stream does).
       for k in range(req.n):
@@ -284,15 +352,25 @@ class OpenAIServing:
       async for _, out in self._merge(streams):
         final = out
         for c in out.outputs:
-          finish = _finish(c)
+          if c.index in closed:
+            continue
+          content, calls = c.delta_text, []
+          if parser is not None:
+            content, calls = calls_of[c.index].feed(c.delta_text)
+            if c.finish_reason is not None:
+              rest, more = calls_of[c.index].finish()
+              content, calls = content + rest, calls + more
+          first = sent_calls[c.index]
+          sent_calls[c.index] += len(calls)
+          finish = _finish(c, sent_calls[c.index] > 0)
           # A token that completes no character yet still carries its logprobs.
-          if c.index in closed or not (c.delta_text or finish
-                                       or (req.logprobs and c.delta_token_ids)):
+          if not (content or calls or finish or (req.logprobs and c.delta_token_ids)):
             continue
           if finish:
             closed.add(c.index)
           yield chunk([ChatStreamChoice(
-              index=c.index, delta=DeltaMessage(content=c.delta_text or None),
+              index=c.index, delta=DeltaMessage(content=content or None,
+                                                tool_calls=_tool_deltas(calls, first)),
               finish_reason=finish, stop_reason=c.stop_reason,
               logprobs=self._chat_logprobs(c.delta_token_ids, c.delta_logprobs,
                                            req.top_logprobs or 0) if req.logprobs else None)])

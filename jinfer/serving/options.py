@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jinfer.serving.tool_parsers import PARSERS
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServerOptions:
@@ -22,6 +24,11 @@ class ServerOptions:
   max_connections: int = 512  # requests beyond this many open connections or tasks get 503
   max_waiting: int = 256  # sequences waiting to be scheduled beyond which requests get 429
   shutdown_timeout: float = 30.0  # seconds in-flight requests may run on after SIGTERM
+  # vLLM's tool flags: a model whose chat template writes the tools itself answers tool_choice
+  # "auto" only with both, the parser matching its format (hermes, llama3_json, mistral). A
+  # template without a tool format gets jinfer's default tool prompt and the hermes parser.
+  enable_auto_tool_choice: bool = False
+  tool_call_parser: str | None = None
 
   def __post_init__(self):
     for name in ("max_request_bytes", "max_connections", "max_waiting"):
@@ -30,5 +37,12 @@ class ServerOptions:
     for name in ("header_timeout", "body_timeout", "shutdown_timeout"):
       if not getattr(self, name) > 0:
         raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+    if self.enable_auto_tool_choice and self.tool_call_parser is None:
+      raise ValueError("enable_auto_tool_choice needs tool_call_parser: the parser of the "
+                       "model's tool-call format")
+    if self.tool_call_parser is not None:
+      if self.tool_call_parser not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(sorted(PARSERS))}, got "
+                         f"{self.tool_call_parser!r}")
     object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
     object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
