@@ -22,12 +22,13 @@ from jinfer.config import ModelConfig
 from jinfer.models import CausalLM, linear_kernels, param_shapes
 from jinfer.quant import awq, folding, smoothquant
 from jinfer.quant.calibration import calibrate, calibration_text, calibration_tokens
-from jinfer.quant.gptq import gptq, hessian
+from jinfer.quant.gptq import gptq, gptq_int8, hessian
 from jinfer.quant.groupwise import GroupwiseArray, dequantize_like
 from jinfer.quant.model import apply_awq, quantize_model, smooth_model
 from jinfer.quant.rtn import fake_quantize, quantize_rtn
 from pallas_kernels.groupwise_matmul.packing import pack_int4, unpack_int4
-from pallas_kernels.int8_matmul import int8_matmul, quantize_per_channel
+from jinfer.quant.qarray import from_int8
+from pallas_kernels.int8_matmul import int8_matmul, quantize_per_channel, quantize_per_token
 from tests.paged_batch import PagedBatch
 
 # ---------------------------------------------------------------------------------- synthetic
@@ -194,6 +195,28 @@ def test_smoothquant_reduces_w8a8_error_with_outlier_channels():
 
   s = smoothquant.smooth_scales(jnp.abs(x).max(0), w, 0.5)
   assert w8a8_err(x / s, w * s[:, None]) < 0.5 * w8a8_err(x, w)
+
+
+def test_gptq_int8_fits_what_the_w8a8_kernel_reads():
+  rng = np.random.default_rng(7)
+  # Correlated channels (GPTQ's error feedback has somewhere to go), no outliers (the weights'
+  # rounding, not the activations', is what GPTQ can change).
+  mix = np.eye(128) + 0.3 * rng.standard_normal((128, 128))
+  x = jnp.asarray(rng.standard_normal((256, 128)) @ mix, jnp.float32)
+  w = jnp.asarray(0.05 * rng.standard_normal((2, 128, 64)), jnp.float32)  # [lead, K, N]
+  xq, xs = quantize_per_token(x)
+  xr = xq.astype(jnp.float32) * xs[:, None]  # the inputs as W8A8 rounds them
+  q, scale = gptq_int8(w, jnp.broadcast_to(hessian(xr.T @ xr, 256), (2, 128, 128)))
+  assert q.dtype == jnp.int8 and q.shape == w.shape and scale.shape == (2, 64)
+  for i in range(2):
+    # On W8A8's own grid: the per-channel scale plain rounding takes.
+    np.testing.assert_allclose(scale[i], quantize_per_channel(w[i])[1], rtol=1e-6)
+    rq, rs = quantize_per_channel(w[i])
+    err = lambda wq, ws: float(jnp.linalg.norm(int8_matmul(x, wq, ws, mode="w8a8") - x @ w[i]))
+    assert err(q[i], scale[i]) < 0.9 * err(rq, rs)
+    # Stored outputs first, the same numbers.
+    t = from_int8(q[i], scale[i], (128, 64), 1, 1, store_transposed=True)
+    np.testing.assert_array_equal(t.values, q[i].T)
 
 
 # -------------------------------------------------------------------------- tiny random model

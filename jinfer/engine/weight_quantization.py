@@ -34,7 +34,7 @@ from jinfer.weights.hf_quantized import is_quantized_dir
 from jinfer.weights.quantized_checkpoint import is_quantized_checkpoint, read_meta, save_quantized
 
 # quantization -> the quantization_config keys it reads, with their defaults
-CONFIG_KEYS = {"int8": {}, "w8a8": {"smoothquant": False, "alpha": 0.5},
+CONFIG_KEYS = {"int8": {}, "w8a8": {"smoothquant": False, "alpha": 0.5, "gptq": True},
                "int4": {"method": "rtn", "group_size": 128, "sym": False}, "gguf": {}}
 
 
@@ -109,7 +109,8 @@ def quantize_weights(config: ModelConfig, params: dict, quantization: str | None
   kernels, declared = linear_kernels(config, int8_transposed), linear_kernels(config)
   calibrate = lambda: dict(model=CausalLM(config), calibration=_calibration(tokenizer))
   if quantization == "w8a8" and options["smoothquant"]:
-    params = smooth_model(params, declared, alpha=options["alpha"], **calibrate())
+    params = smooth_model(params, declared, alpha=options["alpha"], gptq=options["gptq"],
+                          store_kernels=kernels, **calibrate())
   if quantization == "int4":
     needs = options["method"] != "rtn"
     params = quantize_model(params, declared, method=options["method"],
