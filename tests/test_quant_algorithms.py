@@ -321,7 +321,7 @@ def test_awq_and_smoothquant_folds_preserve_the_float_model(mha_stats):
                          verbose=False)
   # SmoothQuant calibrating for itself: the path from token ids.
   smoothed = smooth_model(params, kernels, model=CausalLM(MHA), calibration=_tokens(),
-                          seq_len=64, verbose=False)
+                          seq_len=64, gptq=False, verbose=False)
   want = _logits(MHA, params)
   for p in (awq_params, smoothed):
     for path in (("input_norm", "scale"), ("post_attn_norm", "scale"),
@@ -410,10 +410,19 @@ def test_smoothquant_w8a8_on_smollm2(smollm2):
   config, params, tok, texts, base = smollm2
   kernels = linear_kernels(config)
   w8a8 = CausalLM(config, KernelOptions(quantization="w8a8"))
-  smoothed = smooth_model(params, kernels, model=CausalLM(config), calibration=tok, alpha=0.5)
+  model = CausalLM(config)
+  stats = calibrate(model, params, kernels, calibration_tokens(tok))  # shared by both rows
+  smoothed = smooth_model(params, kernels, model=model, calibration=tok, stats=stats,
+                          gptq=False)
+  gptq = smooth_model(params, kernels, model=model, calibration=tok, stats=stats)  # the default
   rows = {"w8a8": _increases(w8a8, quantize_params(params, kernels), texts, base),
-          "smoothquant": _increases(w8a8, quantize_params(smoothed, kernels), texts, base)}
-  print("perplexity increase over float32, W8A8\n" + _table(rows))
-  plain, smooth = rows["w8a8"], rows["smoothquant"]
+          "smoothquant": _increases(w8a8, quantize_params(smoothed, kernels), texts, base),
+          "sq+gptq": _increases(w8a8, quantize_params(gptq, kernels), texts, base)}
+  print("perplexity increase over float32, W8A8 (SmoothQuant alpha 0.7)\n" + _table(rows))
+  plain, smooth = rows["w8a8"], rows["sq+gptq"]
   assert smooth["assignment"] <= 0.5 * plain["assignment"]
   assert np.mean(list(smooth.values())) < 0.5 * np.mean(list(plain.values()))
+  # Per text, within the measurement's noise: the same plain W8A8 weights measure +0.35% or
+  # +0.78% on "exceptions" depending only on how the prefill is chunked (docs/quantization.md).
+  for n in TEXTS:
+    assert smooth[n] <= plain[n] + 0.005, n

@@ -183,18 +183,19 @@ def quantize_model(params: dict, kernels: dict, *, method: str = "rtn", model=No
 
 def smooth_model(params: dict, kernels: dict, *, model=None,
                  calibration: Sequence[int] | object | None = None,
-                 stats: dict[tuple[str, ...], LinearStats] | None = None, alpha: float = 0.5,
-                 gptq: bool = False, percdamp: float = GPTQ_INT8_DAMP,
+                 stats: dict[tuple[str, ...], LinearStats] | None = None, alpha: float = 0.7,
+                 gptq: bool = True, percdamp: float = GPTQ_INT8_DAMP,
                  store_kernels: dict | None = None, seq_len: int = 512,
                  verbose: bool = True) -> dict:
   """SmoothQuant: float params with each scale group's smoothing scales folded in (the same
   function as before), for W8A8 (`qarray.quantize_params` quantizes them as usual).
 
-  alpha: the migration strength, one for every group. On SmolLM2 0.5 beat 0.3-0.8 on the mean
-  perplexity over six texts, and beat a per-group search for the least W8A8 error of each
-  group's outputs (which picked 0.6-0.9). model, calibration, stats: as `quantize_model`'s.
+  alpha: the migration strength, one for every group. On SmolLM2 (with `gptq`) 0.5-0.7 are
+  within the perplexity measurements' noise of each other (docs/quantization.md); 0.7 was best
+  on four held-out texts and the only one of 0.3 / 0.5 / 0.7 whose greedy answer to "What is
+  the capital of France?" stayed Paris. model, calibration, stats: as `quantize_model`'s.
 
-  gptq: then round the calibrated linears onto W8A8's int8 grid by GPTQ (`gptq_int8`), with H
+  gptq: round the calibrated linears onto W8A8's int8 grid by GPTQ (`gptq_int8`), with H
   from a second calibration run of the smoothed model whose inputs are rounded per token as
   the W8A8 kernel rounds them; those kernels come back as `QArray`s (stored as `store_kernels`,
   `linear_kernels(config, transposed)`, says; `kernels` by default), the rest float. Needs
