@@ -29,6 +29,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from pallas_kernels import AttentionMetadata, KVCacheSpec
+from pallas_kernels.int8_matmul import quantize_per_token
 
 TEXT = "calibration_text.txt"  # shipped beside this module: self-written English prose
 
@@ -73,6 +74,12 @@ def _batch(token_ids: Sequence[int], seq_len: int, page_size: int = 16):
           1 + block_table.size, np.cumsum(lens) - 1)
 
 
+def _round_per_token(x: jax.Array) -> jax.Array:
+  """x [T, K] rounded as W8A8's per-token int8 quantization rounds it (back in float)."""
+  q, scale = quantize_per_token(x)
+  return q.astype(jnp.float32) * scale[:, None]
+
+
 def _lookup(tree: Any, path: tuple[str, ...]):
   for p in path:
     if not isinstance(tree, dict) or p not in tree:
@@ -82,12 +89,13 @@ def _lookup(tree: Any, path: tuple[str, ...]):
 
 
 def calibrate(model: nn.Module, params: dict, kernels: dict, token_ids: Sequence[int], *,
-              xtx: bool = False, rows: int = 0, seq_len: int = 512, seed: int = 0,
+              xtx: bool | str = False, rows: int = 0, seq_len: int = 512, seed: int = 0,
               verbose: bool = True) -> dict[tuple[str, ...], LinearStats]:
   """Run `model` (a float `CausalLM` with a scanned layer stack) over `token_ids` and return
   each stacked linear's input statistics, keyed by the path of its params (e.g.
   `("layers", "attn", "q_proj")`). `kernels`: the params tree of linear-kernel declarations
-  (`linear_kernels(config)`). `xtx`: also X^T X; `rows`: also that many rows (fewer if fewer
+  (`linear_kernels(config)`). `xtx`: also X^T X (`"w8a8"`: of the inputs rounded per token to
+  int8, as the W8A8 kernel reads them, for GPTQ onto W8A8's grid); `rows`: also that many rows (fewer if fewer
   tokens), the same ones for every linear."""
   if not getattr(model, "scan_layers", True):
     raise ValueError("calibrate runs a scanned layer stack (scan_layers=True): its module paths "
@@ -132,7 +140,8 @@ def calibrate(model: nn.Module, params: dict, kernels: dict, token_ids: Sequence
     ax = jnp.abs(xf)
     stats = [ax.mean(0), ax.max(0)]
     if xtx:
-      stats.append(xf.T @ xf)
+      xr = _round_per_token(xf) if xtx == "w8a8" else xf
+      stats.append(xr.T @ xr)
     if rows:
       stats.append(xf[pick])
     io_callback(lambda *a, p=path: record(p, *a), None, *stats, ordered=True)

@@ -141,3 +141,66 @@ def gptq(w: jax.Array, h: jax.Array, *, group_size: int = 128, sym: bool = False
                                batch_size=min(batch_size, flat_w.shape[0]))
   out = to_groupwise(q, scale, zero, group_size)
   return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), out)
+
+
+def _gptq_int8_one(w: jax.Array, h: jax.Array, *, percdamp: float, block_size: int):
+  """w [K, N], h [K, K] -> (q [K, N] int8, scale [N]): symmetric int8 per output channel (the
+  grid `qarray.quantize` uses: max|w| / 127), rows in act-order, errors fed forward."""
+  k, n = w.shape
+  b = block_size
+  kp = -(-k // b) * b
+  dead = jnp.diagonal(h) == 0
+  h = h + jnp.diag(jnp.where(dead, 1.0, 0.0))
+  w = w.astype(jnp.float32)
+  amax = jnp.abs(w).max(0)  # the grid from the weights as they are, dead rows included
+  scale = jnp.where(amax == 0, 1.0, amax / 127.0)  # [N]
+  w = jnp.where(dead[:, None], 0.0, w)
+  h = h + percdamp * jnp.mean(jnp.diagonal(h)) * jnp.eye(k)
+  w = jnp.pad(w, ((0, kp - k), (0, 0)))
+  h = jnp.pad(h, ((0, kp - k), (0, kp - k))) + jnp.diag(jnp.arange(kp) >= k).astype(h.dtype)
+  perm = jnp.argsort(-jnp.diagonal(h), stable=True)
+  w, h = w[perm], h[perm][:, perm]
+  u = _upper_cholesky_of_inverse(h)
+
+  def block(bi, carry):
+    w, q = carry
+    i1 = bi * b
+    w1 = jax.lax.dynamic_slice_in_dim(w, i1, b)
+    u1 = jax.lax.dynamic_slice(u, (i1, i1), (b, b))
+
+    def row(i, c):
+      w1, q1, err1 = c
+      r = w1[i]
+      qi = jnp.clip(jnp.round(r / scale), -127, 127)
+      err = (r - qi * scale) / u1[i, i]
+      return (w1 - u1[i][:, None] * err[None, :], q1.at[i].set(qi), err1.at[i].set(err))
+
+    zeros = jnp.zeros((b, n), jnp.float32)
+    _, q1, err1 = jax.lax.fori_loop(0, b, row, (w1, zeros, zeros))
+    q = jax.lax.dynamic_update_slice_in_dim(q, q1, i1, 0)
+    return w - jax.lax.dynamic_slice_in_dim(u, i1, b).T @ err1, q
+
+  _, q = jax.lax.fori_loop(0, kp // b, block, (w, jnp.zeros((kp, n), jnp.float32)))
+  return q[jnp.argsort(perm)][:k].astype(jnp.int8), scale
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "batch_size"))
+def gptq_int8(w: jax.Array, h: jax.Array, *, percdamp: float = 0.01, block_size: int = 64,
+              batch_size: int = 8) -> tuple[jax.Array, jax.Array]:
+  """GPTQ onto W8A8's weight grid: w [lead..., K, N], h [lead..., K, K] -> (q [lead..., K, N]
+  int8, scale [lead..., N]) with w ~= q * scale, symmetric per output channel. The grid is
+  plain rounding's (each channel's max|w| / 127), act-order, no groups. Build the `QArray`
+  from q and scale (`qarray.from_int8`): requantizing q * scale would round again wherever the
+  error feedback moved a channel's largest weight.
+
+  For W8A8, h should come from the inputs as the kernel sees them, rounded per token to int8
+  (`calibrate(..., xtx="w8a8")`): GPTQ then fits the weights to what the int8 matmul reads.
+  With H from the float inputs its error feedback did not survive the activation rounding
+  (docs/quantization.md)."""
+  *lead, k, n = w.shape
+  one = functools.partial(_gptq_int8_one, percdamp=percdamp, block_size=block_size)
+  flat_w = w.reshape(-1, k, n).astype(jnp.float32)
+  flat_h = h.reshape(-1, k, k).astype(jnp.float32)
+  q, scale = jax.lax.map(lambda a: one(*a), (flat_w, flat_h),
+                         batch_size=min(batch_size, flat_w.shape[0]))
+  return q.reshape(*lead, k, n), scale.reshape(*lead, n)

@@ -28,11 +28,13 @@ import numpy as np
 
 from jinfer.quant import awq, folding, smoothquant
 from jinfer.quant.calibration import LinearStats, calibrate, calibration_tokens
-from jinfer.quant.gptq import gptq, hessian
+from jinfer.quant.gptq import gptq, gptq_int8, hessian
+from jinfer.quant.qarray import from_int8
 from jinfer.quant.rtn import quantize_rtn
 
 METHODS = ("rtn", "awq", "gptq")
 STACK = "layers"  # the params subtree of the decoder layers, each leaf [layers, ...]
+GPTQ_INT8_DAMP = 0.01  # see smooth_model
 
 
 def _tokens(calibration) -> list[int]:
@@ -181,14 +183,23 @@ def quantize_model(params: dict, kernels: dict, *, method: str = "rtn", model=No
 
 def smooth_model(params: dict, kernels: dict, *, model=None,
                  calibration: Sequence[int] | object | None = None,
-                 stats: dict[tuple[str, ...], LinearStats] | None = None, alpha: float = 0.5,
-                 seq_len: int = 512, verbose: bool = True) -> dict:
+                 stats: dict[tuple[str, ...], LinearStats] | None = None, alpha: float = 0.7,
+                 gptq: bool = True, percdamp: float = GPTQ_INT8_DAMP,
+                 store_kernels: dict | None = None, seq_len: int = 512,
+                 verbose: bool = True) -> dict:
   """SmoothQuant: float params with each scale group's smoothing scales folded in (the same
   function as before), for W8A8 (`qarray.quantize_params` quantizes them as usual).
 
-  alpha: the migration strength, one for every group. On SmolLM2 0.5 beat 0.3-0.8 on the mean
-  perplexity over six texts, and beat a per-group search for the least W8A8 error of each
-  group's outputs (which picked 0.6-0.9). model, calibration, stats: as `quantize_model`'s."""
+  alpha: the migration strength, one for every group. On SmolLM2 (with `gptq`) 0.5-0.7 are
+  within the perplexity measurements' noise of each other (docs/quantization.md); 0.7 was best
+  on four held-out texts and the only one of 0.3 / 0.5 / 0.7 whose greedy answer to "What is
+  the capital of France?" stayed Paris. model, calibration, stats: as `quantize_model`'s.
+
+  gptq: round the calibrated linears onto W8A8's int8 grid by GPTQ (`gptq_int8`), with H
+  from a second calibration run of the smoothed model whose inputs are rounded per token as
+  the W8A8 kernel rounds them; those kernels come back as `QArray`s (stored as `store_kernels`,
+  `linear_kernels(config, transposed)`, says; `kernels` by default), the rest float. Needs
+  model and calibration even with stats."""
   start = time.perf_counter()
   if stats is None:
     stats = _calibrate(params, model, kernels, calibration, verbose, seq_len=seq_len)
@@ -197,6 +208,22 @@ def smooth_model(params: dict, kernels: dict, *, model=None,
     s = smoothquant.smooth_scales(jnp.asarray(stats[(STACK,) + grp.linears[0]].abs_max),
                                   folding.group_kernel(stack, kst, grp), alpha)
     stack = folding.fold(stack, kst, grp, s)
+  out = {**params, STACK: stack}
+  if gptq:
+    rounded = _calibrate(out, model, kernels, calibration, verbose, seq_len=seq_len, xtx="w8a8")
+    for path, decl in _stacked_kernels(out, kernels):
+      if path not in rounded:
+        continue
+      t = time.perf_counter()
+      w = folding.get(out, path + ("kernel",))
+      q, scale = gptq_int8(folding.flat_kernel(w, decl),
+                           hessian(jnp.asarray(rounded[path].xtx), rounded[path].count),
+                           percdamp=percdamp)
+      store = folding.get(store_kernels or kernels, path + ("kernel",))
+      out = folding.replace(out, path + ("kernel",), jax.block_until_ready(
+          from_int8(q, scale, w.shape, decl[0], decl[1], len(store) > 3 and store[3])))
+      if verbose:
+        print(f"gptq int8: {'/'.join(path)} ({time.perf_counter() - t:.1f} s)", flush=True)
   if verbose:
     print(f"smooth_model: {time.perf_counter() - start:.1f} s", flush=True)
-  return {**params, STACK: stack}
+  return out

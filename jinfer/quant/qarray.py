@@ -60,12 +60,25 @@ def quantize(w: jax.Array, n_in: int, n_out: int, transposed: bool = False,
                 scale=scale.reshape(lead + outs), n_in=n_in, n_out=n_out, transposed=store)
 
 
+def from_int8(q: jax.Array, scale: jax.Array, shape: tuple[int, ...], n_in: int, n_out: int,
+              store_transposed: bool = False) -> QArray:
+  """A `QArray` from int8 values decided elsewhere (GPTQ): q [lead..., K, N] and scale
+  [lead..., N] of a kernel of `shape` `[lead..., in..., out...]`, stored as `quantize` would."""
+  lead = shape[:len(shape) - n_in - n_out]
+  ins, outs = shape[len(lead):len(lead) + n_in], shape[len(lead) + n_in:]
+  values = q.swapaxes(-1, -2) if store_transposed else q
+  return QArray(values=values.astype(jnp.int8).reshape(
+                    lead + (outs + ins if store_transposed else ins + outs)),
+                scale=scale.astype(jnp.float32).reshape(lead + outs), n_in=n_in, n_out=n_out,
+                transposed=store_transposed)
+
+
 def quantize_params(params: dict, kernels: dict) -> dict:
   """Quantize every leaf that `kernels` (the params tree with each linear kernel's
   `(n_in, n_out, transposed[, store_transposed])`, None elsewhere, see `linear_kernels`) marks as
-  a linear layer's kernel."""
-  return jax.tree.map(lambda w, k: w if k is None else quantize(w, *k), params, kernels,
-                      is_leaf=lambda x: x is None)
+  a linear layer's kernel; kernels quantized already (`QArray`) stay as they are."""
+  return jax.tree.map(lambda w, k: w if k is None or isinstance(w, QArray) else quantize(w, *k),
+                      params, kernels, is_leaf=lambda x: x is None or isinstance(x, QArray))
 
 
 def param_bytes(params: dict) -> int:
