@@ -54,12 +54,12 @@ LONGEST_FIRST = ("test_spec_engine.py", "test_quant_algorithms.py", "test_parall
                  "test_quantized_engine.py", "test_ragged_paged_attention.py",
                  "test_spec_lossless.py", "test_engine.py", "test_model_layout.py",
                  "test_int8_matmul.py", "test_medusa.py", "test_startup.py")
-QUICK_LONGEST_FIRST = ("test_quant_algorithms.py", "test_parallel.py",
-                       "test_ragged_paged_attention.py", "test_spec_lossless.py",
-                       "test_startup.py", "test_int8_matmul.py", "test_spec_engine.py",
-                       "test_engine.py", "test_quantized_engine.py",
-                       "test_kv_cache_quantization.py", "test_model_parity.py", "test_accept.py",
-                       "test_model_layout.py", "test_llm_prompts.py", "test_medusa.py")
+QUICK_LONGEST_FIRST = ("test_quant_algorithms.py", "test_ragged_paged_attention.py",
+                       "test_parallel.py", "test_startup.py", "test_spec_engine.py",
+                       "test_quantized_engine.py", "test_int8_matmul.py", "test_engine.py",
+                       "test_structured_outputs.py", "test_kv_cache_quantization.py",
+                       "test_model_layout.py", "test_server_tools.py", "test_model_parity.py",
+                       "test_accept.py", "test_llm_prompts.py", "test_medusa.py")
 
 
 def pytest_collection_modifyitems(config, items):

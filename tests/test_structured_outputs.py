@@ -55,7 +55,8 @@ def _sample(engine, constraint: SO, n: int, max_tokens: int, seed: int = 0, temp
   return [c for r in rids for c in final[r].outputs]
 
 
-@pytest.mark.parametrize("temperature", [1.0, 3.0])
+# Slow at 1.0: the tiny model's sharp logits make it nearly greedy (the seeds agree); 3.0 samples.
+@pytest.mark.parametrize("temperature", [pytest.param(1.0, marks=pytest.mark.slow), 3.0])
 def test_json_schema_samples_validate(engine, temperature):
   outs = _sample(engine, SO(json=SCHEMA), 5, 56, seed=1, temperature=temperature)
   finished = [o for o in outs if o.finish_reason == "stop"]
