@@ -172,14 +172,14 @@ QUANTIZED_RTOL = 1e-3
                  marks=pytest.mark.slow),
 ], ids=lambda o: "-".join(f"{k.split('_')[0]}{v}" for k, v in o.items()))
 def test_parallel_engine_matches_one_device(params, reference, options):
-  # Data parallel: each rank compiles its startup buckets, then the rest in the background.
+  # Data parallel: each rank compiles its startup buckets and runs in them alone ("never": the
+  # rest are left uncompiled), nothing compiled on the serving path.
   dp = options.get("data_parallel_size", 1) > 1
-  engine = _engine(params, warmup=dp, **options)
+  engine = _engine(params, warmup="never" if dp else False, **options)
   _assert_same(_generate(engine, SHORT), reference)
   if dp:
-    engine.wait_until_compiled()
     s = engine.stats()
-    assert s.compiles_after_startup == 0 and s.buckets_compiled == s.buckets_total > 0
+    assert s.compiles_after_startup == 0 and s.buckets_compiled == 2 < s.buckets_total
 
 
 @pytest.mark.slow

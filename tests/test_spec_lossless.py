@@ -181,7 +181,8 @@ def batch_engine(models, spec: dict | None) -> LLMEngine:
 # Slow: two engines' buckets compiled (~20 s each case). The quick tier keeps the property per
 # verify row (test_accept.py) and speculation's stops and logprobs (test_spec_engine.py).
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["medusa", "ngram", "draft_model"])
+# The draft model's case: the distribution tests above and test_spec_smollm2.py.
+@pytest.mark.parametrize("method", ["medusa", "ngram"])
 def test_seeded_sampling_is_plain_sampling_in_any_batch(models, medusa_heads, method):
   """Seeded requests emit inside a batch the tokens each emits alone without speculation, on a
   model whose distributions are neither flat nor one-hot (so how many drafts a sequence gets
