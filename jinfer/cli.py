@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from jinfer import logs
@@ -405,7 +406,13 @@ def parser() -> argparse.ArgumentParser:
   return ap
 
 
-def main(argv: list[str] | None = None):
+# Commands that end when their answer is printed, with nothing running in the background
+# (their engines compile no bucket ahead of need).
+ONE_SHOT = ("generate", "chat")
+
+
+def main(argv: list[str] | None = None) -> str:
+  """Runs a command; returns its name."""
   args = parser().parse_args(argv)
   logs.configure(logging.WARNING if args.quiet else logging.INFO)
   try:
@@ -413,7 +420,20 @@ def main(argv: list[str] | None = None):
   except (ValueError, FileNotFoundError, RuntimeError) as e:
     print(f"jinfer: error: {e}", file=sys.stderr)
     sys.exit(2)
+  return args.command
+
+
+def run() -> None:
+  """The `jinfer` console script: `main`, and after a one-shot command the process ends at once.
+  The interpreter's own teardown (collecting and freeing every traced program, executable and
+  array) took 0.6 s of a 5 s `jinfer generate`, and nothing in it matters once the answer is
+  out: a compiled step reaches the compilation cache as it compiles."""
+  if main() in ONE_SHOT:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-  main()
+  run()
