@@ -20,7 +20,7 @@ from safetensors.numpy import load_file, save_file
 from jinfer import LLM, SamplingParams
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
-from jinfer.engine import weight_quantization
+from jinfer.engine import quantization_cache, weight_quantization
 from jinfer.engine.weight_quantization import check_config, quantize_weights
 from jinfer.errors import ParameterError
 from jinfer.loader import load_model
@@ -158,10 +158,11 @@ def test_awq_and_gptq_checkpoints_run_int4(tiny_model_dir, tmp_path, method, sym
 @pytest.mark.parametrize("quantization, qc", [
     # All slow: compiles of two engines each; the quick tier runs int4 in the test above.
     pytest.param("int4", {"method": "rtn", "group_size": 32}, marks=pytest.mark.slow),
-    pytest.param("w8a8", {"smoothquant": True}, marks=pytest.mark.slow),  # calibrates first
+    pytest.param("w8a8", {}, marks=pytest.mark.slow),  # SmoothQuant: calibrates first
     pytest.param("int4", {"method": "awq", "group_size": 32}, marks=pytest.mark.slow)])
 def test_a_quantized_model_saves_and_loads_back_without_quantizing(
     tiny_model_dir, tmp_path, monkeypatch, quantization, qc):
+  monkeypatch.setenv("JINFER_QUANTIZATION_CACHE_DIR", str(tmp_path / "cache"))
   # Scanned, few buckets: the steps compile in seconds; what is tested is the saving.
   options = dict(warmup=False, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                  scan_layers=True)
@@ -176,6 +177,9 @@ def test_a_quantized_model_saves_and_loads_back_without_quantizing(
     raise AssertionError("a saved quantized model was quantized again")
   for name in ("quantize_model", "smooth_model", "quantize"):
     monkeypatch.setattr(weight_quantization, name, quantizing)
+  if qc.get("method", "awq") != "rtn":  # calibrated: the same options load from the cache
+    again = LLM(tiny_model_dir, quantization=quantization, quantization_config=qc, **options)
+    assert [o.outputs[0].token_ids for o in again.generate(prompts, sp, use_tqdm=False)] == want
   back = LLM(path, **options)
   assert back.engine.config.model.quantization == quantization  # w8a8 runs as w8a8
   got = [o.outputs[0].token_ids for o in back.generate(prompts, sp, use_tqdm=False)]
@@ -241,3 +245,19 @@ def test_smollm2_quantized_modes_answer_and_fit():
     del llm
   print({m: round(s / size[None], 3) for m, s in size.items()}, ppl)
   assert abs(ppl["gguf"] / ppl[None] - 1) <= 0.002
+
+
+
+def test_the_quantization_cache_key_follows_every_input(tiny_model):
+  """A calibrated quantization is read back only for the same weights, options, calibration
+  tokens and layout (the slow save/load test above reads one back through the engine)."""
+  config, params, _ = tiny_model
+  options, tokens = check_config("w8a8", None), [5, 9, 33]
+  key = lambda **kw: quantization_cache.key(**{**dict(
+      config=config, params=params, quantization="w8a8", options=options,
+      calibration_tokens=tokens, store_transposed=False), **kw})
+  assert key() == key()
+  changed = [key(options={**options, "alpha": 0.5}), key(calibration_tokens=tokens[:2]),
+             key(store_transposed=True), key(quantization="int4"),
+             key(params=jax.tree.map(lambda a: a.at[(0,) * a.ndim].add(1e-3), params))]
+  assert len({key(), *changed}) == 1 + len(changed)

@@ -32,8 +32,8 @@ from jinfer.sampling.params import SamplingParams
 MODES = {  # name -> engine options
     "f32": {},
     "int8": dict(quantization="int8"),
-    "w8a8": dict(quantization="w8a8"),
-    "w8a8-smoothquant": dict(quantization="w8a8", quantization_config={"smoothquant": True}),
+    "w8a8-plain": dict(quantization="w8a8", quantization_config={"smoothquant": False}),
+    "w8a8": dict(quantization="w8a8"),  # SmoothQuant + GPTQ onto the int8 grid
     "int4-rtn-g128": dict(quantization="int4", quantization_config={"method": "rtn"}),
     "int4-awq-g128": dict(quantization="int4", quantization_config={"method": "awq"}),
     "int4-gptq-g128": dict(quantization="int4", quantization_config={"method": "gptq"}),

@@ -3,11 +3,11 @@ weights, calibrated on what.
 
   None     float weights (or a checkpoint's own quantization: AWQ/GPTQ directories load int4)
   "int8"   int8 per output channel, float activations (W8A16)
-  "w8a8"   int8 weights and per-token int8 activations; `quantization_config=
-           {"smoothquant": true, "alpha": 0.7, "gptq": true}` smooths first, then rounds the
-           weights onto the int8 grid by GPTQ fitted to the per-token-rounded inputs (off by
-           default: on SmolLM2 it beats plain W8A8 on the mean and on all but one of the texts
-           measured, that one within noise; see docs/quantization.md)
+  "w8a8"   int8 weights and per-token int8 activations, by default SmoothQuant: the weights
+           smoothed (`quantization_config={"alpha": 0.7}`), then rounded onto the int8 grid by
+           GPTQ fitted to the per-token-rounded inputs (`"gptq": true`). On SmolLM2 it more
+           than halves plain W8A8's perplexity increase (docs/quantization.md);
+           `{"smoothquant": false}` is plain W8A8, which needs no calibration
   "int4"   4-bit group-wise (W4A16), `quantization_config={"method": "rtn" | "awq" | "gptq",
            "group_size": 128, "sym": false}`: the decoder layers' projections take 4 bits, a
            tied embedding (the LM head too) int8 per channel, as llama.cpp's 4-bit files keep
@@ -15,7 +15,8 @@ weights, calibrated on what.
   "gguf"   a GGUF file's blocks as stored: the loader keeps them, nothing to do here
 
 Calibration (AWQ, GPTQ, SmoothQuant) runs the float model over the English text shipped with
-`jinfer.quant` and prints its progress and time.
+`jinfer.quant` and prints its progress and time, once per machine: its result is kept in the
+quantization cache (`quantization_cache.py`) and the next load reads it back.
 """
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ import os
 import jax
 
 from jinfer.config import ModelConfig
+from jinfer.engine import quantization_cache
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.errors import ParameterError
 from jinfer.loader import load_model
 from jinfer.models import CausalLM, linear_kernels
+from jinfer.quant.calibration import calibration_tokens
 from jinfer.quant.groupwise import GroupwiseArray
 from jinfer.quant.model import METHODS, quantize_model, smooth_model
 from jinfer.quant.qarray import QArray, quantize
@@ -36,7 +39,7 @@ from jinfer.weights.hf_quantized import is_quantized_dir
 from jinfer.weights.quantized_checkpoint import is_quantized_checkpoint, read_meta, save_quantized
 
 # quantization -> the quantization_config keys it reads, with their defaults
-CONFIG_KEYS = {"int8": {}, "w8a8": {"smoothquant": False, "alpha": 0.7, "gptq": True},
+CONFIG_KEYS = {"int8": {}, "w8a8": {"smoothquant": True, "alpha": 0.7, "gptq": True},
                "int4": {"method": "rtn", "group_size": 128, "sym": False}, "gguf": {}}
 
 
@@ -109,18 +112,27 @@ def quantize_weights(config: ModelConfig, params: dict, quantization: str | None
   if quantization in (None, "gguf") or any(map(done, jax.tree.leaves(params, is_leaf=done))):
     return params
   kernels, declared = linear_kernels(config, int8_transposed), linear_kernels(config)
-  calibrate = lambda: dict(model=CausalLM(config), calibration=_calibration(tokenizer))
-  if quantization == "w8a8" and options["smoothquant"]:
-    params = smooth_model(params, declared, alpha=options["alpha"], gptq=options["gptq"],
-                          store_kernels=kernels, **calibrate())
-  if quantization == "int4":
-    needs = options["method"] != "rtn"
-    params = quantize_model(params, declared, method=options["method"],
-                            group_size=options["group_size"], sym=options["sym"],
-                            **(calibrate() if needs else {}))
-  # What is still float among the linear kernels goes int8 (for int4: the embedding / head).
-  return jax.tree.map(lambda w, k: w if k is None or done(w) else quantize(w, *k), params,
-                      kernels, is_leaf=done)
+  calibrates = ((quantization == "w8a8" and options["smoothquant"])
+                or (quantization == "int4" and options["method"] != "rtn"))
+  tokens = calibration_tokens(_calibration(tokenizer)) if calibrates else None
+  calibrate = lambda: dict(model=CausalLM(config), calibration=tokens)
+
+  def run(params):
+    if quantization == "w8a8" and options["smoothquant"]:
+      params = smooth_model(params, declared, alpha=options["alpha"], gptq=options["gptq"],
+                            store_kernels=kernels, **calibrate())
+    if quantization == "int4":
+      params = quantize_model(params, declared, method=options["method"],
+                              group_size=options["group_size"], sym=options["sym"],
+                              **(calibrate() if calibrates else {}))
+    # What is still float among the linear kernels goes int8 (for int4: the embedding / head).
+    return jax.tree.map(lambda w, k: w if k is None or done(w) else quantize(w, *k), params,
+                        kernels, is_leaf=done)
+
+  if not calibrates:
+    return run(params)
+  key = quantization_cache.key(config, params, quantization, options, tokens, int8_transposed)
+  return quantization_cache.cached(key, quantization, options, lambda: run(params))
 
 
 def _calibration(tokenizer):
