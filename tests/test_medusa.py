@@ -299,6 +299,28 @@ def test_stops_and_logprobs_as_without_speculation(tiny_model, heads, baseline):
 
 
 @pytest.mark.slow
+def test_a_constrained_sequence_verifies_its_tree(tiny_model, heads, baseline):
+  """Under a structured-output constraint each tree node's row is masked for its own path: the
+  greedy and seeded outputs are the ones without speculation, and the tree's candidates the
+  constraint allows are accepted."""
+  from jinfer import StructuredOutputsParams as SO
+  from tests.test_structured_outputs import SCHEMA
+  eng = _medusa(tiny_model, heads["identity"])
+  prompts = _prompts(3, seed=12, lo=5, hi=30)
+  constraints = [SO(json=SCHEMA), SO(regex="[a-z ]{4,40}"), SO(regex="[0-9]{5,30}")]
+  for temperature in (0.0, 1.0):
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=30,
+                             structured_outputs=c) for i, c in enumerate(constraints)]
+    want = [_run(baseline, [p], sp)[0] for p, sp in zip(prompts, params)]
+    before = eng.stats().spec
+    rids = [eng.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+    final = eng.run_to_completion(rids)
+    assert [final[r].outputs[0].token_ids for r in rids] == want, temperature
+    spec = eng.stats().spec.since(before)
+    assert spec.num_verified > 0 and spec.num_accepted_tokens > 0, temperature
+
+
+@pytest.mark.slow
 def test_vocabulary_heads_on_a_quantized_target(tiny_model, tmp_path):
   """Heads restricted to a vocabulary project through the target's tied embedding; quantized,
   that embedding is a QArray whose rows are dequantized once at load time."""

@@ -14,7 +14,7 @@ from jinfer.sampling.accept import VerifyTensors
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.errors import ParameterError
 from jinfer.engine.request import RequestMetrics, Sequence
-from jinfer.sampling.params import SamplingParams
+from jinfer.sampling.params import SamplingParams, StructuredOutputsParams
 from jinfer.engine.speculative import pause
 from jinfer.engine.speculative.proposer import SpecState
 from jinfer.engine.speculative.draft_model import _sample_draft
@@ -119,6 +119,19 @@ def test_stops_and_logprobs_as_without_speculation(spec_engine, baseline):
 
 
 @pytest.mark.slow
+def test_a_constrained_sequence_does_not_draft_with_a_draft_model(spec_engine, baseline):
+  """The draft model's tokens reach the target as a device array: the host cannot mask each
+  verify row for its own draft prefix without waiting for them, so a constrained sequence
+  decodes one token a step, with the output it has without speculation."""
+  params = SamplingParams(temperature=0.0, max_tokens=20,
+                          structured_outputs=StructuredOutputsParams(regex="[a-z ]{4,40}"))
+  prompts = _prompts(2, seed=6)
+  before = spec_engine.stats().spec
+  assert _run(spec_engine, prompts, params) == _run(baseline, prompts, params)
+  assert spec_engine.stats().spec.since(before).num_draft_tokens == 0
+
+
+@pytest.mark.slow
 def test_seeded_sampling_independent_of_the_batch(spec_engine):
   params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
   prompt = _prompts(1, seed=4)[0]
@@ -200,7 +213,11 @@ def test_no_compiles_after_warmup(engines, method):
             for i, (t, tp, k, m, lp, pp) in enumerate(zip(
                 [0, 0.7, 1.0] * 3, [1, 0.9] * 5, [-1, 5, 20] * 3, [2, 7, 30] * 3,
                 [None, 3] * 5, [0, 0.5, 0] * 3))]
-  rids = [eng.add_request(None, p, sp) for p, sp in zip(_prompts(9, seed=8, lo=1, hi=40), params)]
+  # A constrained sequence too: n-gram verifies its drafts under per-row masks.
+  params.append(SamplingParams(temperature=0.0, max_tokens=20,
+                               structured_outputs=StructuredOutputsParams(regex="[a-z ]{4,40}")))
+  rids = [eng.add_request(None, p, sp)
+          for p, sp in zip(_prompts(10, seed=8, lo=1, hi=40), params)]
   eng.abort(rids[4])
   eng.run_to_completion()
   assert counter.count == 0, f"{counter.count} compiles after warmup"

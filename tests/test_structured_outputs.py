@@ -1,21 +1,28 @@
 """Structured outputs: constraints (JSON schema, regex, choice, Lark grammar, any JSON object)
 as token masks in the step, on the tiny random model, which emits garbage left to itself: every
 finished sample must still satisfy its constraint. Its sharpened logits make temperature 1 close
-to greedy, so each property is also sampled at temperature 3, where the samples differ."""
+to greedy, so each property is also sampled at temperature 3, where the samples differ. Under
+speculation each verify row is masked for its own draft prefix."""
 from __future__ import annotations
 
 import json
 import re
 import time
 
+import jax.numpy as jnp
 import jsonschema
+import numpy as np
 import pytest
 
 from jinfer import SamplingParams, StructuredOutputsParams
+from jinfer.engine.step_input import draft_prefixes
 from jinfer.errors import ParameterError
-from jinfer.sampling.grammar import GrammarCompiler
+from jinfer.sampling.accept import VerifyTensors, accept
+from jinfer.sampling.grammar import GrammarCompiler, mask_words
+from jinfer.sampling.tree import Tree
 from jinfer.tokenizer import Tokenizer
 from tests.engine_fixtures import SMALL_POOL, CompileCounter, make_engine, random_prompts
+from tests.test_accept import tensors
 
 SO = StructuredOutputsParams
 
@@ -164,38 +171,102 @@ def test_tokenizer_from_a_directory_masks_as_the_gguf_one(tiny_model, tmp_path):
   (tmp_path / "tokenizer.json").write_text(gguf_tok.to_json())
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
   dir_tok = Tokenizer.from_dir(str(tmp_path))
-  import numpy as np
   masks = []
   for tok in (gguf_tok, dir_tok):
     c = GrammarCompiler(tok, gguf_tok.vocab_size, gguf_tok.eos_token_ids)
     m = c.matcher(SO(json=SCHEMA))
     assert m.consume_tokens(tok.encode('{"name": "ab', add_special_tokens=False))
     masks.append(np.zeros((1, (gguf_tok.vocab_size + 31) // 32), np.int32))
-    c.fill(masks[-1], [(m, 0)])
+    c.fill(masks[-1], [(m, 0, [])])
   assert (masks[0] == masks[1]).all() and masks[0].any()
 
 
+def _verify(c, matcher, logits, drafts, tree, masked=True):
+  """`accept` over one sequence's verify rows [m + 1, v] (greedy), each row masked for its own
+  draft prefix (or, `masked=False`, left all ones): (tokens emitted, drafts accepted). The
+  logits cover the vocabulary's first v tokens only, and the masks their first v bits: the
+  rest never matters here, and a full row would make the test a few seconds slower."""
+  m, k = len(drafts), tree.num_nodes
+  allowed = np.full((m + 1, mask_words(c.vocab_size)), -1, np.int32)
+  if masked:
+    c.fill(allowed, [(matcher, j, p) for j, p in enumerate(draft_prefixes(drafts, m, tree))])
+  allowed = allowed[:, :mask_words(logits.shape[1])]
+  vt = VerifyTensors(
+      draft_tokens=jnp.asarray([drafts], jnp.int32), num_drafts=jnp.asarray([m], jnp.int32),
+      row_seq=jnp.zeros(m + 1, jnp.int32), row_depth=jnp.arange(m + 1, dtype=jnp.int32),
+      chain=jnp.minimum(jnp.arange(k + 1, dtype=jnp.int32), m)[None],
+      ban_rows=jnp.zeros(1, jnp.int32), allowed=jnp.asarray(allowed))
+  out = accept(jnp.asarray(logits), tensors(1, [0], temperature=0.0), vt, tree)
+  a = int(out.num_accepted[0])
+  return [int(t) for t in out.sample.tokens[0, :a + 1]], a
+
+
+def test_a_draft_the_constraint_forbids_is_never_accepted(tiny_model):
+  """Each verify row is masked for its own draft prefix: a target whose logits favour every
+  draft accepts them up to the first the constraint refuses and then emits a token the
+  constraint allows, in a chain and in a tree (where a refused node's children are refused with
+  it and an allowed sibling is taken). Masked by the sequence's mask alone it would not."""
+  config, _, tok = tiny_model
+  c = GrammarCompiler(tok, config.vocab_size, tok.eos_token_ids)
+  matcher = c.matcher(SO(regex="a[bc]+"))
+  a, b, cc, x = (tok.encode(t, add_special_tokens=False)[0] for t in "abcx")
+
+  def logits(*favourites):  # row i ranks favourites[i] first, then the others in order
+    out = np.zeros((len(favourites), 128), np.float32)  # a, b, c and x are among the first 128
+    for i, row in enumerate(favourites):
+      out[i, list(row)] = 10.0 - np.arange(len(row))
+    return out
+
+  # A chain a, b, a, c: the second a is refused after "ab"; row 2 then picks c, its next best.
+  chain, drafts = Tree.chain(3), [a, b, a]
+  rows = logits([a], [b], [a, cc], [cc])
+  assert _verify(c, matcher, rows, drafts, chain) == ([a, b, cc], 2)
+  assert _verify(c, matcher, rows, drafts, chain, masked=False) == ([a, b, a, cc], 3)
+  # A tree: node 1 = x (refused at the start), node 2 = a, node 3 = b under x.
+  tree, drafts = Tree.of([(0,), (1,), (0, 0)], 2), [x, a, b]
+  rows = logits([x, a], [b], [b], [b])
+  assert _verify(c, matcher, rows, drafts, tree) == ([a, b], 1)
+  assert _verify(c, matcher, rows, drafts, tree, masked=False) == ([x, b, b], 2)
+  # Filling the masks left the matcher where it was, and the rows under x as they were.
+  masks = np.zeros((2, mask_words(config.vocab_size)), np.int32)
+  c.fill(masks, [(matcher, 0, [x]), (matcher, 1, [x, b])])
+  assert (masks == 0).all() and matcher.validate_tokens([a, b, cc]) == 3
+
+
 @pytest.mark.slow
-def test_speculation_keeps_the_constrained_greedy_output(tiny_model):
-  """A constrained sequence drafts nothing (its verify rows would each need their own prefix's
-  mask): beside speculating unconstrained ones, its greedy output is the one without
-  speculation, and theirs too."""
+def test_ngram_speculates_under_a_constraint(tiny_model):
+  """n-gram drafts under a constraint, each verify row masked for its own draft prefix: greedy
+  output and seeded samples are the ones without speculation (beside unconstrained sequences,
+  whose output does not change either), the constraint holds, and its sequences do speculate:
+  drafts are verified and accepted."""
   options = dict(max_model_len=128, page_size=8, num_pages=40, max_num_seqs=8,
                  max_num_batched_tokens=16, max_prefill_seqs=2)
   plain = make_engine(tiny_model, warmup=False, **options)
   spec = make_engine(tiny_model, warmup=False, **options, speculative_config={
       "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
-  params = [SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=c) for c in
-            (SO(json=SCHEMA), SO(regex="[a-z ]{4,40}"), None, None)]
-  prompts = random_prompts(4, seed=11, lo=5, hi=30)
+  constraints = [SO(json=SCHEMA), SO(regex="[a-z ]{4,40}"), SO(regex="[0-9]{5,30}")]
+  prompts = random_prompts(5, seed=11, lo=5, hi=30)
 
-  def run(engine):
+  def run(engine, temperature, free=False):
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=40, structured_outputs=c)
+              for i, c in enumerate(constraints + [None, None] * free)]
     rids = [engine.add_request(None, p, sp) for p, sp in zip(prompts, params)]
     final = engine.run_to_completion(rids)
-    return [final[r].outputs[0].token_ids for r in rids]
+    return [final[r].outputs[0] for r in rids]
 
-  assert run(spec) == run(plain)
-  assert spec.stats().spec.num_draft_tokens > 0, "the unconstrained sequences were meant to speculate"
+  for temperature in (0.0, 1.0, 3.0):
+    before = spec.stats().spec
+    outs = run(spec, temperature)
+    stats = spec.stats().spec.since(before)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in run(plain, temperature)]
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, temperature
+    json_out, *regex_outs = outs
+    if json_out.finish_reason == "stop":
+      jsonschema.validate(json.loads(json_out.text), SCHEMA)
+    for o, c in zip(regex_outs, constraints[1:]):
+      assert o.finish_reason == "length" or re.fullmatch(c.regex, o.text), o.text
+  mixed = run(spec, 0.0, free=True)
+  assert [o.token_ids for o in mixed] == [o.token_ids for o in run(plain, 0.0, free=True)]
 
 
 def test_generate_command_takes_a_constraint():

@@ -479,10 +479,10 @@ class LLMEngine:
       return 0
     if self._ahead and not self.compiler.finished:  # the verify steps are still compiling
       return 0
-    if seq.matcher is not None:
-      # The verify rows after the first would each need the mask of their own draft prefix;
-      # the step carries one mask per sequence, so a constrained sequence decodes one token a
-      # step (its output is the same as with speculation, a test checks it).
+    if seq.matcher is not None and not self.proposer.host_drafts:
+      # Each verify row of a constrained sequence is masked for its own draft prefix, which the
+      # host computes as it builds the step; a device proposer's drafts would have to be waited
+      # for, so with a draft model a constrained sequence decodes one token a step.
       return 0
     p = seq.params
     max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len
@@ -503,6 +503,17 @@ class LLMEngine:
         batch.num_drafts[i] = 0
       return
     self.proposer.fill(batch)
+    if self.buckets.tree is None:
+      # A chain is cut at its first draft the constraint refuses: no draft after it could be
+      # accepted, and its rows would be verified for nothing.
+      for i, seq in enumerate(batch.seqs):
+        m = batch.num_drafts[i]
+        if m and seq.matcher is not None:
+          ok = seq.matcher.validate_tokens(batch.draft_tokens[i][:m])
+          if ok < m:
+            batch.draft_tokens[i] = batch.draft_tokens[i][:ok]
+            batch.num_new_tokens[i] -= m - ok
+            batch.num_drafts[i] = ok
 
   def _emit(self, groups: Iterable[_Group]) -> list[RequestOutput]:
     """The outputs of these requests now; finished ones are forgotten."""

@@ -13,6 +13,8 @@ rows of the attention contract, `verify_width = k + 1`), and logits come out at
 `jinfer/sampling/accept.py`).
 With a candidate tree (Medusa) the m drafts are the tree's first m nodes: their rows sit at
 positions by depth and see their ancestors (the tree mask), see `jinfer/sampling/tree.py`.
+A verify step's structured-output masks are per logits row ([R, W], in the verify tensors): a
+constrained sequence's row i is masked for the tokens allowed after its own draft prefix.
 """
 from __future__ import annotations
 
@@ -72,8 +74,9 @@ class Buckets:
   num_speculative_tokens: int = 0  # k; > 0 adds the verify variant of every bucket
   smallest_bucket: int = 1
   tree: Tree | None = None  # verify steps check this tree's first k nodes, not a chain of k
-  # The model's logits per row: sizes the structured-output masks [S, ceil(V / 32)] (0: the
-  # step carries none, for callers that build sampling tensors without an engine).
+  # The model's logits per row: sizes the structured-output masks [S, ceil(V / 32)], a verify
+  # step's [R, ceil(V / 32)] (0: the step carries none, for callers that build sampling tensors
+  # without an engine).
   vocab_size: int = 0
 
   @property
@@ -113,6 +116,7 @@ def empty_step_input(b: Buckets, t: int, prompt_logprobs: bool = False,
                      verify: bool = False) -> dict:
   s = b.num_seqs(t)
   z = lambda *shape: np.zeros(shape, np.int32)
+  masks = b.verify_rows(t) if verify else s  # a verify step masks each logits row
   if verify:
     k, r = b.num_speculative_tokens, b.verify_rows(t)
     extra = dict(draft_tokens=z(s, k), num_drafts=z(s), row_seq=z(r), row_depth=z(r),
@@ -132,7 +136,7 @@ def empty_step_input(b: Buckets, t: int, prompt_logprobs: bool = False,
       history=np.full((s, b.max_model_len), -1, np.int32), prompt_lens=z(s),
       banned=np.full((s, MAX_BANNED), -1, np.int32), num_logprobs=z(s), target_ids=z(t),
       prompt_logprobs=prompt_logprobs,
-      allowed=np.full((s, mask_words(b.vocab_size)), -1, np.int32) if b.vocab_size else None)
+      allowed=np.full((masks, mask_words(b.vocab_size)), -1, np.int32) if b.vocab_size else None)
 
 
 def to_step_input(a: dict, b: Buckets) -> StepInput:
@@ -147,8 +151,11 @@ def to_step_input(a: dict, b: Buckets) -> StepInput:
     md = md.replace(verify_width=b.num_speculative_tokens + 1, tree_mask=a.get("tree_mask"))
     verify = VerifyInput(tensors=pick(VerifyTensors), draft_rows=a["draft_rows"],
                          logits_rows=a["logits_rows"])
+  sampling = pick(SamplingTensors)
+  if verify is not None:  # its masks are per logits row, in the verify tensors
+    sampling = sampling.replace(allowed=None)
   return StepInput(token_ids=a["token_ids"], positions=a["positions"], md=md,
-                   logits_indices=a["logits_indices"], sampling=pick(SamplingTensors),
+                   logits_indices=a["logits_indices"], sampling=sampling,
                    target_ids=a["target_ids"], verify=verify, prompt_logprobs=a["prompt_logprobs"])
 
 
@@ -157,8 +164,9 @@ def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
                      pick: Callable[[int], int] | None = None,
                      fill_masks: Callable[[np.ndarray, list], None] | None = None) -> StepInput:
   """`pick(num_tokens)`: the bucket to run in (default `b.pick`: the smallest that holds it).
-  `fill_masks(allowed [S, W], [(matcher, row)])`: writes the token masks of the sequences under
-  a structured-output constraint that sample this step."""
+  `fill_masks(allowed, [(matcher, row, drafts)])`: writes the token masks of the sequences under
+  a structured-output constraint that sample this step, into allowed [S, W] by sequence, or in a
+  verify step [R, W] by logits row, each after that row's draft prefix (`draft_prefixes`)."""
   n_tok = batch.num_tokens
   # A draft model's own pass over the batch leaves out the drafts and adds the tokens it lags
   # behind; its rows must fit the same bucket.
@@ -173,7 +181,7 @@ def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
   a = empty_step_input(b, t, want_prompt_lp, verify)
   a["num_seqs"][0] = len(batch.seqs)
   any_penalty = any(_has_penalty(s) for s in batch.seqs)
-  constrained = []  # (matcher, row) of the sequences whose token this step is masked
+  constrained = []  # (matcher, row, drafts before it) of the rows this step masks
   off = r = 0
   for i, (seq, n, m) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.num_drafts)):
     try:
@@ -228,13 +236,28 @@ def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
         banned = (() if p.ignore_eos else eos_ids) + p.stop_token_ids
         a["banned"][i, :len(banned)] = banned
       if seq.matcher is not None and start + n - m >= seq.num_tokens:  # it samples this step
-        constrained.append((seq.matcher, i))
+        if not verify:
+          constrained.append((seq.matcher, i, []))
+        else:
+          drafts = batch.draft_tokens[i]
+          if len(drafts) < m:  # a device proposer's: the host cannot mask their rows
+            raise ValueError("a constrained sequence's drafts must be known on the host")
+          constrained += [(seq.matcher, r - m - 1 + j, prefix)
+                          for j, prefix in enumerate(draft_prefixes(drafts, m, b.tree))]
     except Exception as e:  # what the checks upstream missed fails this sequence alone
       raise RowError(i, e) from e
   a["cu_q_lens"][len(batch.seqs) + 1:] = off
   if constrained:
     fill_masks(a["allowed"], constrained)
   return to_step_input(a, b)
+
+
+def draft_prefixes(drafts: list[int], m: int, tree: Tree | None) -> list[list[int]]:
+  """The drafts a sequence's verify rows 0..m follow: a chain's row j the first j, a tree's
+  node j the tokens of its path from the root (itself included)."""
+  if tree is None:
+    return [list(drafts[:j]) for j in range(m + 1)]
+  return [[drafts[node - 1] for node in tree.path[j, 1:tree.depth[j] + 1]] for j in range(m + 1)]
 
 
 def _has_penalty(seq: Sequence) -> bool:

@@ -5,9 +5,10 @@ A speculating sequence's verify rows are its last committed token and its drafts
 `[last, d1..dm]`, m <= K, or the first m nodes of a candidate tree after the root); a row holds
 the target's logits for the token after it. One rule serves every proposer: at each row the
 target picks its own token exactly as `sample` would at that position (the request's
-processing, with the row's drafts before it counted as output; then the argmax, or a draw with
-the request's key for the token's position), and the walk moves to the child holding that
-token, stopping at a row with none and emitting the target's pick there.
+processing, with the row's drafts before it counted as output and its structured-output mask
+the one after them; then the argmax, or a draw with the request's key for the token's
+position), and the walk moves to the child holding that token, stopping at a row with none and
+emitting the target's pick there.
 
 So every emitted token is the token decoding without speculation emits: a seeded request draws
 the same tokens whatever its drafts, whatever the batch and however many drafts the scheduler
@@ -41,6 +42,10 @@ class VerifyTensors:
   row_depth: jax.Array  # [R] int32: its index i in that sequence's chain
   chain: jax.Array  # [S, K+1] int32: the logits row of each chain index (past m: any row)
   ban_rows: jax.Array  # [S] int32: banned tokens (min_tokens) apply at chain indices < this
+  # [R, W] int32: each logits row's structured-output mask, the one after its own draft prefix
+  # (all ones: no constraint). A verify step's masks are per row, not per sequence: its
+  # sampling tensors carry none. None only where a test builds the tensors.
+  allowed: jax.Array | None = None
 
 
 @struct.dataclass
@@ -112,9 +117,9 @@ def accept(logits: jax.Array, st: SamplingTensors, vt: VerifyTensors, tree: Tree
   x = jax.lax.cond(any_penalty(st),
                    lambda l: penalize(l, row_tensors(st, vt, with_history=True, tree=tree)),
                    lambda l: l, logits)
-  # A row's token mask is its sequence's, right at depth 0 only: the engine gives no drafts to
-  # a sequence under a structured-output constraint.
-  x = constrain(ban(x, rst.banned), rst.allowed)  # [R, V]
+  # Each row under the mask of its own prefix: a draft the constraint forbids is never the pick
+  # at its parent, so it and every node below it are never accepted.
+  x = constrain(ban(x, rst.banned), vt.allowed)  # [R, V]
   pick = choose(x, rst)  # [R]: the target's token at each node
   parent_row = rows_of[:, jnp.asarray(tree.parent[1:])]  # [S, K]
   live = jnp.arange(1, k + 1)[None, :] <= vt.num_drafts[:, None]  # [S, K]

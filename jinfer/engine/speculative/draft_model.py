@@ -80,6 +80,12 @@ def _sample_draft(logits: jax.Array, st: SamplingTensors, vt: VerifyTensors, voc
   return jax.lax.cond(plain, lambda l: vocab[_argmax(l)], processed, logits)
 
 
+def _unmasked(st: SamplingTensors) -> SamplingTensors:
+  """The draft never applies structured-output masks (a constrained sequence does not draft
+  with it); without them its passes take the same inputs beside plain and verify steps."""
+  return st.replace(allowed=None)
+
+
 def _propose(model: CausalLM, k: int, vocab_size: int, propose: bool, params, head, vocab,
              kv_cache, inp: DraftInput, st: SamplingTensors, ban_rows) -> tuple:
   apply = functools.partial(model.apply, {"params": params}, return_hidden=True)
@@ -113,6 +119,7 @@ def _propose(model: CausalLM, k: int, vocab_size: int, propose: bool, params, he
 
 class DraftModelProposer(Proposer):
   """`vocab`: the draft's vocabulary (target ids); None: the whole of it."""
+  host_drafts = False  # they reach the target as a device array
 
   def __init__(self, k: int, config: ModelConfig, params: dict, vocab: np.ndarray | None,
                engine_config: ResolvedConfig, buckets: Buckets, dtype):
@@ -178,7 +185,7 @@ class DraftModelProposer(Proposer):
                 else np.zeros(inp.logits_indices.shape, np.int32))
     try:
       drafts, self.kv_cache = self._propose(speculating, self.params, self.head, self.vocab,
-                                            self.kv_cache, d, inp.sampling, ban_rows)
+                                            self.kv_cache, d, _unmasked(inp.sampling), ban_rows)
     except Exception:
       if self.kv_cache.is_deleted():  # donated to the failed call (see ModelRunner._run)
         self.kv_cache = self.spec.allocate()
@@ -203,7 +210,7 @@ class DraftModelProposer(Proposer):
     d = self._input(ScheduledBatch([], []), inp)
     t0 = time.monotonic()
     self._propose.lower(verify, self.params, self.head, self.vocab, self.kv_cache, d,
-                        inp.sampling, inp.verify.tensors.ban_rows).compile()
+                        _unmasked(inp.sampling), inp.verify.tensors.ban_rows).compile()
     log.info("draft model %d-token %s pass ready in %.1f s", t,
              "proposal" if verify else "catch-up", time.monotonic() - t0)
 

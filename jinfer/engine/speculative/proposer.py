@@ -74,6 +74,10 @@ class Proposer(abc.ABC):
   # Set by proposers whose proposals come from the target's step, with the arrays it reads.
   in_step: InStep | None = None
   in_step_weights: dict | None = None
+  # Whether the drafts are on the host when the step input is built (`fill`): only then can a
+  # sequence under a structured-output constraint speculate, each verify row masked for its own
+  # draft prefix. A device proposer's drafts would have to be waited for.
+  host_drafts: bool = True
 
   def __init__(self, k: int):
     self.k = k
