@@ -14,8 +14,10 @@ float) or W8A8 (activations quantized per token, int32 accumulation), as in `int
 Group-wise quantized weights (`quant_group_size` given; the format of
 `groupwise_matmul/packing.py`, per expert): int4 packed [G, K/2, N] uint8 (`bits=4`) or int8
 [G, K, N] (`bits=8`), with a scale and an offset per expert, group of `quant_group_size` rows
-and output channel, [G, K/quant_group_size, N]. Activations stay float. The ragged_dot and xla
-backends take them; the TPU kernel does not yet.
+and output channel, [G, K/quant_group_size, N]. Activations stay float. Every backend takes
+them: ragged_dot dequantizes every expert (the oracle), xla one visited expert at a time, and
+the TPU kernel reads the packed tiles itself (unpacked and dequantized in VMEM, f32
+accumulation; its `block_k` must be a multiple of `quant_group_size`).
 """
 from __future__ import annotations
 

@@ -15,6 +15,14 @@ and visits past the real count repeat the last one's block indices (so nothing i
 skip their work. int8 weights are widened to the activation dtype in VMEM (W8A16), or
 multiplied int8 x int8 into int32 after per-token activation quantization (W8A8); the group's
 scales are applied once per visit, on its last K step.
+
+Group-wise quantized experts (int4 packed per quant group, or int8, with a scale and an offset
+per quant group and output channel) are read as the dense group-wise kernel reads its weight
+(`groupwise_matmul/pallas_tpu.py`, whose helpers this uses): a K tile holds whole quant groups,
+the expert's packed tile and that tile's scale and offset rows come in per step, are unpacked
+and dequantized into a VMEM tile of the activations' dtype, and one dot adds into the f32
+accumulator. HBM traffic is the packed weights; each visit of an expert dequantizes its tiles
+again (as the dense kernel does per row tile).
 """
 from __future__ import annotations
 
