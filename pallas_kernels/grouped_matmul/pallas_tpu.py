@@ -55,7 +55,7 @@ def visit_table(group_sizes: jax.Array, m_pad: int, bm: int):
 
 
 def _kernel(group_ids, tile_ids, offsets, num_visits, x_ref, w_ref, *refs, num_groups: int,
-            quantized: bool, w8a8: bool, bits: int, quant_group_size: int | None):
+            per_channel: bool, w8a8: bool, bits: int, quant_group_size: int | None):
   # x [bm, bk], w [bk, bn] (group-wise: [bk/2, bn] or [bk, bn] int8), then per-channel int8:
   # ws [1, bn] f32, (xs [bm, 1] f32 for W8A8); or group-wise: scale and offset [bk/qg, bn]
   # f32. Then out [bm, bn], acc [bm, bn] scratch, (group-wise: the dequantized w [bk, bn]).
@@ -63,7 +63,7 @@ def _kernel(group_ids, tile_ids, offsets, num_visits, x_ref, w_ref, *refs, num_g
   if groupwise:
     gs_ref, go_ref, o_ref, acc_ref, wt_ref = refs
   else:
-    ws_ref = refs[0] if quantized else None
+    ws_ref = refs[0] if per_channel else None
     xs_ref = refs[1] if w8a8 else None
     o_ref, acc_ref = refs[-2:]
   v, kk = pl.program_id(1), pl.program_id(2)
@@ -82,14 +82,14 @@ def _kernel(group_ids, tile_ids, offsets, num_visits, x_ref, w_ref, *refs, num_g
                       group_size=quant_group_size)
       acc_ref[...] += dot_f32(x, wt_ref[...])
     else:
-      w = w_ref[...] if w8a8 or not quantized else w_ref[...].astype(x.dtype)
+      w = w_ref[...].astype(x.dtype) if per_channel and not w8a8 else w_ref[...]
       acc_ref[...] += jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())),
                                           preferred_element_type=acc_ref.dtype)
 
   @pl.when(real & (kk == pl.num_programs(2) - 1))
   def _():
     y = acc_ref[...].astype(jnp.float32)
-    if quantized and not groupwise:
+    if per_channel:
       y = y * ws_ref[...]
     if w8a8:
       y = y * xs_ref[...]
@@ -123,8 +123,8 @@ def grouped_matmul_tpu(
   m, k = lhs.shape
   g, n = rhs.shape[0], rhs.shape[2]
   groupwise = quant_group_size is not None
-  quantized = scale is not None
-  w8a8 = quantized and mode == "w8a8" and not groupwise
+  per_channel = scale is not None and not groupwise
+  w8a8 = per_channel and mode == "w8a8"
   bm = min(block_m, round_up(m, 32))
   bn = min(block_n, round_up(n, 128))
   bk = k_block(k, quant_group_size, block_k) if groupwise else min(block_k, round_up(k, 128))
@@ -172,15 +172,15 @@ def grouped_matmul_tpu(
   else:
     operands.append(pad_to(rhs, (g, kp, np_)))
     in_specs.append(pl.BlockSpec((None, bk, bn), w_map))
-    name = f"grouped_matmul_{mode if quantized else 'float'}"
-  if quantized and not groupwise:
+    name = f"grouped_matmul_{mode if per_channel else 'float'}"
+  if per_channel:
     operands.append(pad_to(scale.astype(jnp.float32)[:, None, :], (g, 1, np_)))
     in_specs.append(pl.BlockSpec((None, 1, bn), ws_map))
   if w8a8:
     operands.append(pad_to(xs[:, None], (mp, 1)))
     in_specs.append(pl.BlockSpec((bm, 1), row_map))
   out = pl.pallas_call(
-      functools.partial(_kernel, num_groups=g, quantized=quantized, w8a8=w8a8, bits=bits,
+      functools.partial(_kernel, num_groups=g, per_channel=per_channel, w8a8=w8a8, bits=bits,
                         quant_group_size=quant_group_size),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=4,

@@ -13,6 +13,9 @@ weights, the MXU sees a full-depth contraction.
 
 Packed bytes come in as int8 (a free bitcast outside): Mosaic's unsigned-integer support is
 thin, and sign extension followed by `& 15` and `(>> 4) & 15` gives the same nibbles.
+
+The K tile, the operand layout and the tile dequantization are helpers the grouped matmul's TPU
+kernel (MoE experts) shares.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ def tile_operands(q: jax.Array, scale: jax.Array, offset: jax.Array, *, bits: in
   """[q, scale, offset] (any leading axes) as the kernels read them: q as int8 (packed bytes
   bitcast) zero-padded to [..., kp(/2), np_]; scale and offset f32, zero-padded (so padded
   weights are zero) and viewed as [..., kp/bk, bk/g, np_], one K tile's groups per block."""
-  *lead, _, n = scale.shape
+  lead = scale.shape[:-2]
   nk, gpb = kp // bk, bk // group_size
   if bits == 4:
     q = jax.lax.bitcast_convert_type(q, jnp.int8)
