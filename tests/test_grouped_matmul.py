@@ -140,14 +140,14 @@ def test_bad_arguments_raise():
 @pytest.mark.slow
 def test_device_bench_script_smoke(tmp_path):
   """The device benchmark's grouped matmul part runs end to end (tiny shapes, the TPU kernel
-  interpreted) and every backend, float and int8, agrees with ragged_dot."""
+  interpreted) and every backend, float, int8 and group-wise int4, agrees with ragged_dot."""
   from jinfer.bench.kernels import main
   out = tmp_path / "bench.json"
   report = main(["--smoke", "--skip", "attention", "--skip", "int8_matmul", "--out", str(out)])
   assert json.loads(out.read_text()) == json.loads(json.dumps(report))
   gmm = [r for r in report["results"] if r["op"] == "grouped_matmul"]
   assert {(r["backend"], r["mode"]) for r in gmm} == {
-      (b, m) for b in ("ragged_dot", "pallas_tpu") for m in ("float32", "w8a16", "w8a8")}
+      (b, m) for b in ("ragged_dot", "pallas_tpu") for m in ("float32", "w8a16", "w8a8", "int4")}
   for r in gmm:
     assert r["ms"] > 0 and r["max_abs_err_vs_reference"] < 1e-4
     assert sum(r["group_sizes"]) == r["m"]

@@ -1,13 +1,18 @@
 """Grouped matmul over group-wise quantized experts (int4 packed, int8; a scale and an offset per
 expert, row group and output channel): the ragged_dot oracle against a float64 loop over the
-experts, and the CPU loop against the oracle, over empty experts, one expert holding every row,
-ragged sizes and rows past the last expert."""
+experts, the CPU loop and the TPU kernel (interpret mode) against the oracle, over empty experts,
+one expert holding every row, ragged sizes and rows past the last expert; the TPU kernel's K
+tiles holding one quant group or several, and its lowering to Mosaic."""
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.groupwise_matmul import pack_int4
@@ -21,22 +26,28 @@ M = 51
 _pack = jax.jit(jax.vmap(pack_int4, in_axes=(0, None)), static_argnums=1)
 
 
-def _operands(bits: int, dtype, seed: int = 0):
+def _operands(bits: int, dtype, seed: int = 0, k: int = K, qg: int = QG, n: int = N):
   """(x, q, scale, offset) and the float64 weights [G, K, N] they stand for."""
   rng = np.random.default_rng(seed)
-  qv = rng.integers(0, 16, (5, K, N)) if bits == 4 else rng.integers(-128, 128, (5, K, N))
-  scale = rng.uniform(0.5, 1.5, (5, K // QG, N)).astype(np.float32) * 0.01
+  qv = rng.integers(0, 16, (5, k, n)) if bits == 4 else rng.integers(-128, 128, (5, k, n))
+  scale = rng.uniform(0.5, 1.5, (5, k // qg, n)).astype(np.float32) * 0.01
   offset = (-(8.0 if bits == 4 else 0.0) * scale
             + rng.uniform(-0.01, 0.01, scale.shape)).astype(np.float32)
-  w64 = qv * np.repeat(scale, QG, 1).astype(np.float64) + np.repeat(offset, QG, 1)
-  q = _pack(jnp.asarray(qv), QG) if bits == 4 else jnp.asarray(qv, jnp.int8)
-  x = jnp.asarray(rng.standard_normal((M, K)), dtype)
+  w64 = qv * np.repeat(scale, qg, 1).astype(np.float64) + np.repeat(offset, qg, 1)
+  q = _pack(jnp.asarray(qv), qg) if bits == 4 else jnp.asarray(qv, jnp.int8)
+  x = jnp.asarray(rng.standard_normal((M, k)), dtype)
   return (x, q, jnp.asarray(scale), jnp.asarray(offset)), w64
 
 
-def _run(backend, x, q, gs, s, o, bits, **kw):
+@functools.cache
+def _jitted(backend: str, bits: int, qg: int, kw: tuple):
   return jax.jit(lambda x, q, gs, s, o: grouped_matmul(
-      x, q, gs, s, o, bits=bits, quant_group_size=QG, backend=backend, **kw))(x, q, gs, s, o)
+      x, q, gs, s, o, bits=bits, quant_group_size=qg, backend=backend, **dict(kw)))
+
+
+def _run(backend, x, q, gs, s, o, bits, qg: int = QG, **kw):
+  """Compiled once per backend, format and options: group sizes are traced."""
+  return _jitted(backend, bits, qg, tuple(sorted(kw.items())))(x, q, gs, s, o)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -70,17 +81,95 @@ def test_xla_matches_oracle(bits, dtype, block_m):
                                err_msg=f"group sizes {sizes}")
 
 
+def _check_tpu(bits, dtype, k, qg, group_sizes, interpret=True, n=N, **blocks):
+  (x, q, s, o), _ = _operands(bits, jnp.dtype(dtype), k=k, qg=qg, n=n)
+  for sizes in group_sizes:
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = _run("pallas_tpu", x, q, gs, s, o, bits, qg, interpret=interpret, **blocks)
+    want = np.asarray(_run("ragged_dot", x, q, gs, s, o, bits, qg), np.float32)
+    assert got.shape == (M, n) and got.dtype == x.dtype
+    got = np.asarray(got, np.float32)
+    # bf16: the kernel rounds dequantized weights and outputs to bf16.
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max(),
+                               err_msg=f"group sizes {sizes}")
+    assert not got[sum(sizes):].any()  # rows past the last expert are zero
+
+
+def test_pallas_tpu_reads_groupwise_experts():
+  """The quick case: int4 bf16, 4 quant groups per K tile and K padded (192 -> 2 tiles of 128),
+  row tiles that experts share, empty experts first and between, rows past the last; under the
+  strict interpreter (out-of-bounds reads raise, scratch starts NaN-filled)."""
+  pltpu.reset_tpu_interpret_mode_state()
+  try:
+    _check_tpu(4, "bfloat16", K, QG, GROUP_SIZES[:1], interpret=pltpu.InterpretParams(),
+               block_m=16, block_n=128, block_k=128)
+  finally:
+    pltpu.reset_tpu_interpret_mode_state()
+
+
+# (bits, dtype, K, quant group, N, blocks): block_k spanning several quant groups (with K padded,
+# and with K in one tile) and exactly one (two K tiles of one group each).
+TPU_CASES = [
+    (4, "float32", K, QG, N, dict(block_m=16, block_n=128, block_k=128)),
+    (8, "float32", K, QG, 200, dict(block_m=32, block_n=128, block_k=128)),  # 2 column tiles
+    (8, "bfloat16", K, QG, N, dict(block_m=32, block_n=128)),  # K=192: one tile of 6 groups
+    (4, "float32", 256, 128, N, dict(block_m=16, block_n=128, block_k=128)),
+]
+
+
 @pytest.mark.slow
-def test_the_tpu_kernel_runs_groupwise_experts_widened():
-  """The Mosaic kernel takes float experts: group-wise ones are dequantized before it (the
-  interpreter runs it here)."""
-  (x, q, s, o), _ = _operands(4, jnp.float32)
-  gs = jnp.asarray(GROUP_SIZES[2], jnp.int32)
-  got = _run("pallas_tpu", x, q, gs, s, o, 4, interpret=True, block_m=16, block_n=128,
-             block_k=128)
-  want = _run("ragged_dot", x, q, gs, s, o, 4)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
-                             atol=1e-5 * np.abs(np.asarray(want)).max())
+@pytest.mark.parametrize("case", [pytest.param(c, id="-".join(map(str, c[:5])))
+                                  for c in TPU_CASES])
+def test_pallas_tpu_matches_oracle(case):
+  """The case with two column tiles runs under race detection (two simulated cores splitting
+  them; on one ragged batch, as it is slow), the others under the plain interpreter."""
+  bits, dtype, k, qg, n, blocks = case
+  interpret, group_sizes = True, GROUP_SIZES + [[0, 0, 0, 0, 0]]
+  if n > 128:
+    interpret = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+    group_sizes = GROUP_SIZES[2:]
+  pltpu.reset_tpu_interpret_mode_state()
+  try:
+    _check_tpu(bits, dtype, k, qg, group_sizes, interpret=interpret, n=n, **blocks)
+    assert interpret is True or not tpu_interpret.races.races_found
+  finally:
+    pltpu.reset_tpu_interpret_mode_state()
+
+
+@pytest.mark.parametrize("bits,qg,k", [(4, 128, 4096), (4, 32, 4096), (8, 128, 4096),
+                                       (4, 32, 96)])  # the last: K in one tile, unpadded
+def test_pallas_tpu_lowers_for_device(bits, qg, k):
+  """Lowering to Mosaic runs on the CPU and catches unsupported ops and block shapes
+  (Mixtral-like experts: 8 of them, N = 1536 columns of a sharded projection)."""
+  g, n = 8, 1536
+  fn = jax.jit(lambda *a: grouped_matmul(*a, bits=bits, quant_group_size=qg,
+                                         backend="pallas_tpu"))
+  fn.trace(jax.ShapeDtypeStruct((256, k), jnp.bfloat16),
+           jax.ShapeDtypeStruct((g, k // 2, n), jnp.uint8) if bits == 4
+           else jax.ShapeDtypeStruct((g, k, n), jnp.int8),
+           jax.ShapeDtypeStruct((g,), jnp.int32),
+           jax.ShapeDtypeStruct((g, k // qg, n), jnp.float32),
+           jax.ShapeDtypeStruct((g, k // qg, n), jnp.float32)).lower(lowering_platforms=("tpu",))
+
+
+def test_compiled_on_tpu():
+  if jax.default_backend() != "tpu":
+    pytest.skip(f"needs a real TPU: on {jax.default_backend()} the kernel only runs interpreted "
+                "(tested above)")
+  rng = np.random.default_rng(0)
+  g, k, n, qg = 8, 1024, 768, 128
+  x = jnp.asarray(rng.standard_normal((300, k)), jnp.bfloat16)
+  gs = jnp.asarray([0, 100, 3, 0, 120, 7, 50, 0], jnp.int32)
+  scale = jnp.asarray(rng.uniform(0.5, 1.5, (g, k // qg, n)) * 0.01, jnp.float32)
+  offset = -8 * scale
+  for bits in (4, 8):
+    qv = rng.integers(0, 16, (g, k, n)) if bits == 4 else rng.integers(-128, 128, (g, k, n))
+    q = _pack(jnp.asarray(qv), qg) if bits == 4 else jnp.asarray(qv, jnp.int8)
+    got = _run("pallas_tpu", x, q, gs, scale, offset, bits, qg)
+    want = _run("ragged_dot", x, q, gs, scale, offset, bits, qg)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
 
 
 def test_bad_arguments_raise():
@@ -97,3 +186,8 @@ def test_bad_arguments_raise():
     grouped_matmul(x, q, gs, s, None, **kw)
   with pytest.raises(ValueError, match="pass quant_group_size"):
     grouped_matmul(x, q, gs, s, o)
+  for block_k in (48, 16):  # K tiles hold whole quant groups of 32
+    with pytest.raises(ValueError, match="block_k must be a positive multiple of "
+                                         "quant_group_size=32"):
+      grouped_matmul(x, q, gs, s, o, backend="pallas_tpu", interpret=True, block_k=block_k,
+                     **kw)

@@ -25,8 +25,10 @@ Grouped matmul (MoE experts): Mixtral-8x7B's gate/up projection (8 experts, hidd
 14336 wide, top-2) over the rows a decode and a prefill batch route to the experts (a softmax
 router over random activations, so the groups are uneven), for every backend that runs on the
 platform (`ragged_dot` everywhere; `pallas_tpu` on a TPU, interpreted on the CPU with --smoke),
-float and int8 experts, against the dense matmul of the same active rows (one expert's
-weights). The bytes are the weights of the experts that got rows, plus activations in and out.
+float, int8 (W8A16, W8A8) and group-wise int4 experts (groups of 128, packed; the TPU kernel
+reads them packed, ragged_dot dequantizes every expert first), against the dense matmul of the
+same active rows (one expert's weights). The bytes are the weights of the experts that got
+rows (with their scales and offsets), plus activations in and out.
 
   python -m jinfer.bench.kernels --out bench.json            # on the device
   python -m jinfer.bench.kernels --smoke --out smoke.json    # CPU: tiny, interpreted
@@ -217,6 +219,17 @@ def bench_int8_matmul(args, backends: list[str], interpret: bool) -> list[dict]:
   return results
 
 
+def rtn_int4(w: jax.Array, g: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """w [..., K, N] -> (packed q [..., K/2, N], scale, offset [..., K/g, N]): round to nearest,
+  asymmetric over each group's [min, max]."""
+  *lead, k, n = w.shape
+  wg = w.reshape(*lead, k // g, g, n)
+  lo, hi = wg.min(-2), wg.max(-2)
+  scale = (hi - lo) / 15
+  codes = jnp.clip(jnp.round((wg - lo[..., None, :]) / scale[..., None, :]), 0, 15)
+  return pack_int4(codes.reshape(*lead, k, n).astype(jnp.uint8), g), scale, lo
+
+
 def bench_int4_matmul(args, backends: list[str], interpret: bool) -> list[dict]:
   g = 32 if args.smoke else 128
   shapes = [(256, 384)] if args.smoke else [(4096, 14336), (14336, 4096)]
@@ -226,10 +239,7 @@ def bench_int4_matmul(args, backends: list[str], interpret: bool) -> list[dict]:
   for k, n in shapes:
     kx, kw_ = jax.random.split(jax.random.key(2))
     w = jax.random.normal(kw_, (k, n), jnp.float32) * 0.02
-    lo, hi = w.reshape(k // g, g, n).min(1), w.reshape(k // g, g, n).max(1)  # RTN, asymmetric
-    scale = (hi - lo) / 15
-    codes = jnp.clip(jnp.round((w.reshape(k // g, g, n) - lo[:, None]) / scale[:, None]), 0, 15)
-    q = pack_int4(codes.reshape(k, n).astype(jnp.uint8), g)
+    q, scale, lo = rtn_int4(w, g)
     w_bf16 = dequantize(q, scale, lo, bits=4, group_size=g).astype(dtype)
     for m in ms_list:
       x = jax.random.normal(kx, (m, k), dtype)
@@ -278,7 +288,17 @@ def bench_grouped_matmul(args, backends: list[str], interpret: bool) -> list[dic
   rng = np.random.default_rng(2)
   w = jnp.asarray(rng.standard_normal((experts, hidden, n), np.float32) * 0.02)
   wq, ws = jax.vmap(quantize_per_channel)(w)  # [G, K, N] int8, [G, N]
-  weights = {None: w.astype(dtype), "w8a16": wq, "w8a8": wq}
+  g4 = 32 if args.smoke else 128
+  q4, s4, o4 = rtn_int4(w, g4)  # [G, K/2, N] packed, [G, K/g4, N] twice
+  # mode: (weights, scale (per channel or group-wise), offset, static keyword arguments,
+  # weight bytes per expert)
+  weights = {
+      None: (w.astype(dtype), None, None, {}, hidden * n * jnp.dtype(dtype).itemsize),
+      "w8a16": (wq, ws, None, dict(mode="w8a16"), hidden * n + 4 * n),
+      "w8a8": (wq, ws, None, dict(mode="w8a8"), hidden * n + 4 * n),
+      "int4": (q4, s4, o4, dict(bits=4, quant_group_size=g4),
+               hidden * n // 2 + 2 * 4 * (hidden // g4) * n),
+  }
   results = []
   for tokens in batches:
     token_of_row, sizes = routed_rows(rng, tokens, hidden, experts, top_k)
@@ -289,26 +309,29 @@ def bench_grouped_matmul(args, backends: list[str], interpret: bool) -> list[dic
     flops = 2 * m * hidden * n
     act_bytes = m * (hidden + n) * jnp.dtype(dtype).itemsize
     dense = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
-    ms = time_fn(dense, (rows, weights[None][0]), args.iters)
+    ms = time_fn(dense, (rows, weights[None][0][0]), args.iters)
     nbytes = hidden * n * jnp.dtype(dtype).itemsize + act_bytes
     results.append(dict(op="matmul", backend="xla_dense_one_expert", mode=str(jnp.dtype(dtype)),
                         m=m, k=hidden, n=n, ms=ms, bytes=nbytes,
                         hbm_fraction=nbytes / (ms * 1e-3) / args.peak_bw,
                         tflops=flops / (ms * 1e-3) / 1e12))
     print(json.dumps(results[-1]), file=sys.stderr)
-    for mode, wt in weights.items():
-      scale = None if mode is None else ws
-      ref = grouped_matmul(rows, wt, gs, scale, mode=mode or "w8a16")
-      w_bytes = used * hidden * n * wt.dtype.itemsize + (0 if mode is None else used * n * 4)
-      for backend in ["ragged_dot"] + backends:
+    for mode, (wt, scale, offset, wkw, expert_bytes) in weights.items():
+      a = (rows, wt, gs, scale, offset)
+      w_bytes = used * expert_bytes
+      ref = None
+      for backend in ["ragged_dot"] + backends:  # ragged_dot, the oracle, first
         kw = dict(blocks, interpret=interpret) if backend.startswith("pallas") else {}
-        fn = jax.jit(lambda x, w, gs, s, backend=backend, kw=kw, mode=mode: grouped_matmul(
-            x, w, gs, s, mode=mode or "w8a16", backend=backend, **kw))
-        out = fn(rows, wt, gs, scale)
+        fn = jax.jit(lambda *a, backend=backend, kw={**wkw, **kw}: grouped_matmul(
+            *a, backend=backend, **kw))
+        out = fn(*a)
+        if ref is None:
+          ref = out
         err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-        ms = time_fn(fn, (rows, wt, gs, scale), args.iters)
+        ms = time_fn(fn, a, args.iters)
         results.append(dict(op="grouped_matmul", backend=backend,
                             mode=mode or str(jnp.dtype(dtype)), m=m, k=hidden, n=n,
+                            **({"group_size": g4} if mode == "int4" else {}),
                             groups=experts, group_sizes=sizes.tolist(), ms=ms,
                             bytes=w_bytes + act_bytes,
                             hbm_fraction=(w_bytes + act_bytes) / (ms * 1e-3) / args.peak_bw,

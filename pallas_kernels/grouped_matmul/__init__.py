@@ -14,8 +14,10 @@ float) or W8A8 (activations quantized per token, int32 accumulation), as in `int
 Group-wise quantized weights (`quant_group_size` given; the format of
 `groupwise_matmul/packing.py`, per expert): int4 packed [G, K/2, N] uint8 (`bits=4`) or int8
 [G, K, N] (`bits=8`), with a scale and an offset per expert, group of `quant_group_size` rows
-and output channel, [G, K/quant_group_size, N]. Activations stay float. The ragged_dot and xla
-backends take them; the TPU kernel does not yet.
+and output channel, [G, K/quant_group_size, N]. Activations stay float. Every backend takes
+them: ragged_dot dequantizes every expert (the oracle), xla one visited expert at a time, and
+the TPU kernel reads the packed tiles itself (unpacked and dequantized in VMEM, f32
+accumulation; its `block_k` must be a multiple of `quant_group_size`).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 from pallas_kernels.grouped_matmul.pallas_tpu import grouped_matmul_tpu
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
 from pallas_kernels.grouped_matmul.xla import grouped_matmul_xla
-from pallas_kernels.groupwise_matmul.packing import BITS, dequantize
+from pallas_kernels.groupwise_matmul.packing import BITS
 
 _IMPLS = {
     "ragged_dot": grouped_matmul_reference,
@@ -74,7 +76,12 @@ def grouped_matmul(
   if mode not in MODES:
     raise ValueError(f"unknown grouped matmul mode {mode!r}; choose one of {MODES}")
   if quant_group_size is not None:
-    _check_groupwise(lhs, rhs, group_sizes, scale, offset, bits, quant_group_size, mode, backend)
+    _check_groupwise(lhs, rhs, group_sizes, scale, offset, bits, quant_group_size, mode)
+    block_k = block_sizes.get("block_k")
+    if backend == "pallas_tpu" and block_k is not None and (
+        not isinstance(block_k, int) or block_k <= 0 or block_k % quant_group_size):
+      raise ValueError(f"block_k must be a positive multiple of quant_group_size="
+                       f"{quant_group_size} (a K tile holds whole quant groups), got {block_k!r}")
   else:
     if offset is not None:
       raise ValueError("an offset comes with group-wise weights: pass quant_group_size")
@@ -87,20 +94,15 @@ def grouped_matmul(
     if scale is not None and scale.shape != (rhs.shape[0], rhs.shape[2]):
       raise ValueError(f"scale has shape {scale.shape}, expected {(rhs.shape[0], rhs.shape[2])}")
   kw = dict(mode=mode, **block_sizes)
-  if quant_group_size is not None and backend == "pallas_tpu":
-    # The Mosaic kernel takes float or per-channel int8 experts: group-wise ones are widened
-    # to the activations' dtype first (a transient copy per call), until it reads them itself.
-    rhs = dequantize(rhs, scale, offset, bits=bits, group_size=quant_group_size).astype(lhs.dtype)
-    scale = None
-  elif quant_group_size is not None:
+  if quant_group_size is not None:
     kw.update(offset=offset, bits=bits, quant_group_size=quant_group_size)
   if backend == "pallas_tpu":
     kw["interpret"] = interpret
   return _IMPLS[backend](lhs, rhs, group_sizes.astype(jnp.int32), scale, **kw)
 
 
-def _check_groupwise(lhs, rhs, group_sizes, scale, offset, bits: int, qg: int, mode: str,
-                     backend: str) -> None:
+def _check_groupwise(lhs, rhs, group_sizes, scale, offset, bits: int, qg: int,
+                     mode: str) -> None:
   if mode != "w8a16":
     raise ValueError(f"group-wise weights keep activations float; mode {mode!r} does not apply")
   if bits not in BITS:

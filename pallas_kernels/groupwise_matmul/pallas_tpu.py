@@ -13,6 +13,9 @@ weights, the MXU sees a full-depth contraction.
 
 Packed bytes come in as int8 (a free bitcast outside): Mosaic's unsigned-integer support is
 thin, and sign extension followed by `& 15` and `(>> 4) & 15` gives the same nibbles.
+
+The K tile, the operand layout and the tile dequantization are helpers the grouped matmul's TPU
+kernel (MoE experts) shares.
 """
 from __future__ import annotations
 
@@ -28,18 +31,35 @@ from pallas_kernels.groupwise_matmul.tiles import k_tile
 from pallas_kernels.int8_matmul.padding import pad_to, round_up
 
 
-def _kernel(x_ref, q_ref, s_ref, o_ref, out_ref, acc_ref, w_ref, *, bits: int, group_size: int):
-  # x [bm, bk], q [bk/2, bn] int8 (packed 4-bit) or [bk, bn] int8, s/o [bk/g, bn] f32,
-  # out [bm, bn]; scratch acc [bm, bn] f32, w [bk, bn] x.dtype
+def k_block(k: int, group_size: int, block_k: int) -> int:
+  """The K tile, whole groups: all of K when K <= block_k (no padding); else the multiple of
+  lcm(g, 128) up to block_k that pads K least (128: the activation tile's lanes)."""
+  if k <= block_k:
+    return k
+  unit = math.lcm(group_size, 128)
+  return k_tile(k, block_k, [unit * i for i in range(1, max(block_k, unit) // unit + 1)])
+
+
+def tile_operands(q: jax.Array, scale: jax.Array, offset: jax.Array, *, bits: int,
+                  group_size: int, bk: int, kp: int, np_: int) -> list[jax.Array]:
+  """[q, scale, offset] (any leading axes) as the kernels read them: q as int8 (packed bytes
+  bitcast) zero-padded to [..., kp(/2), np_]; scale and offset f32, zero-padded (so padded
+  weights are zero) and viewed as [..., kp/bk, bk/g, np_], one K tile's groups per block."""
+  lead = scale.shape[:-2]
+  nk, gpb = kp // bk, bk // group_size
+  if bits == 4:
+    q = jax.lax.bitcast_convert_type(q, jnp.int8)
+  group = lambda a: pad_to(a.astype(jnp.float32), (*lead, kp // group_size, np_)).reshape(
+      *lead, nk, gpb, np_)
+  return [pad_to(q, (*lead, kp // 2 if bits == 4 else kp, np_)), group(scale), group(offset)]
+
+
+def dequantize_tile(q: jax.Array, s: jax.Array, o: jax.Array, w_ref, *, bits: int,
+                    group_size: int) -> None:
+  """Unpack and dequantize one weight tile into `w_ref` [bk, bn] (its dtype), natural row
+  order: q [bk/2, bn] int8 (packed 4-bit) or [bk, bn] int8, s and o [bk/g, bn] f32."""
   g = group_size
-  kk = pl.program_id(2)
-
-  @pl.when(kk == 0)
-  def _():
-    acc_ref[...] = jnp.zeros_like(acc_ref)
-
-  q = q_ref[...].astype(jnp.int32)
-  s, o = s_ref[...], o_ref[...]
+  q = q.astype(jnp.int32)
   for gi in range(s.shape[0]):
     if bits == 4:
       p = q[gi * g // 2:(gi + 1) * g // 2]  # [g/2, bn]
@@ -51,11 +71,25 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, out_ref, acc_ref, w_ref, *, bits: int, g
       w = v.astype(jnp.float32) * s[gi:gi + 1] + o[gi:gi + 1]  # [rows, bn]
       w_ref[pl.ds(gi * g + h * rows, rows), :] = w.astype(w_ref.dtype)
 
-  x = x_ref[...]
+
+def dot_f32(x: jax.Array, w: jax.Array) -> jax.Array:
   # f32 activations get an f32 product (the MXU's default rounds f32 inputs to bf16).
   precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-  acc_ref[...] += jax.lax.dot_general(x, w_ref[...], (((1,), (0,)), ((), ())),
-                                      precision=precision, preferred_element_type=jnp.float32)
+  return jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def _kernel(x_ref, q_ref, s_ref, o_ref, out_ref, acc_ref, w_ref, *, bits: int, group_size: int):
+  # x [bm, bk], q [bk/2, bn] int8 (packed 4-bit) or [bk, bn] int8, s/o [bk/g, bn] f32,
+  # out [bm, bn]; scratch acc [bm, bn] f32, w [bk, bn] x.dtype
+  kk = pl.program_id(2)
+
+  @pl.when(kk == 0)
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  dequantize_tile(q_ref[...], s_ref[...], o_ref[...], w_ref, bits=bits, group_size=group_size)
+  acc_ref[...] += dot_f32(x_ref[...], w_ref[...])
 
   @pl.when(kk == pl.num_programs(2) - 1)
   def _():
@@ -85,23 +119,12 @@ def groupwise_matmul_tpu(
   g = group_size
   bm = min(block_m, round_up(m, 16))
   bn = min(block_n, round_up(n, 128))
-  if k <= block_k:
-    bk = k
-  else:
-    unit = math.lcm(g, 128)
-    bk = k_tile(k, block_k, [unit * i for i in range(1, max(block_k, unit) // unit + 1)])
+  bk = k_block(k, g, block_k)
   mp, np_, kp = round_up(m, bm), round_up(n, bn), round_up(k, bk)
   nk, gpb = kp // bk, bk // g
   q_rows = bk // 2 if bits == 4 else bk
-
-  if bits == 4:
-    q = jax.lax.bitcast_convert_type(q, jnp.int8)
-  operands = [
-      pad_to(x, (mp, kp)),
-      pad_to(q, (kp * q_rows // bk, np_)),
-      pad_to(scale.astype(jnp.float32), (kp // g, np_)).reshape(nk, gpb, np_),
-      pad_to(offset.astype(jnp.float32), (kp // g, np_)).reshape(nk, gpb, np_),
-  ]
+  operands = [pad_to(x, (mp, kp)),
+              *tile_operands(q, scale, offset, bits=bits, group_size=g, bk=bk, kp=kp, np_=np_)]
   group_spec = pl.BlockSpec((None, gpb, bn), lambda i, j, kk: (kk, 0, j))
   out = pl.pallas_call(
       functools.partial(_kernel, bits=bits, group_size=g),
