@@ -40,6 +40,13 @@ class AttentionMetadata:
   cu_q_lens: jax.Array  # [S+1] int32: sequence s owns query rows cu_q_lens[s]:cu_q_lens[s+1]
   num_seqs: jax.Array  # [1] int32: live sequences; rows past them are padding
   tree_mask: jax.Array | None = None  # [T, verify_width] bool: see the module docstring
+  # [S, P'] int32 each, or None: the present pages of each sequence (a subset of block_table's,
+  # e.g. one context-parallel rank's) first and in position order, and each one's index among
+  # the sequence's pages (its first key's position // page_size); -1 pads. The jnp backend's
+  # context loops walk these instead of every block table entry, so their work follows the
+  # pages present. None: block_table's entries, in order. Results are the same either way.
+  context_pages: jax.Array | None = None
+  context_page_pos: jax.Array | None = None
   # Static bound on any sequence's query count this step (1 for decode-only steps).
   max_q_len: int | None = struct.field(pytree_node=False, default=None)
   # Static bound on how many sequences are prefill chunks (q_len > verify_width) this step.

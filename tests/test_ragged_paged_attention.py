@@ -208,14 +208,21 @@ def oracle(case: Case, b: dict) -> tuple[np.ndarray, np.ndarray]:  # [T, Hq, D],
   return out, lse
 
 
-def metadata(case: Case, b: dict, page_indices=None) -> AttentionMetadata:
+def metadata(case: Case, b: dict, page_indices=None, compact: bool = False) -> AttentionMetadata:
+  """`compact`: the present pages also listed first with their positions (`context_pages`)."""
+  table = b["page_indices"] if page_indices is None else page_indices
+  context = {}
+  if compact:  # present pages first, in order; the rest -1
+    order = np.argsort(table < 0, axis=1, kind="stable")
+    pages = np.take_along_axis(table, order, axis=1)
+    context = dict(context_pages=jnp.asarray(pages, jnp.int32),
+                   context_page_pos=jnp.asarray(np.where(pages >= 0, order, -1), jnp.int32))
   return AttentionMetadata(
-      slot_mapping=jnp.zeros(case.num_tokens, jnp.int32),
-      block_table=jnp.asarray(b["page_indices"] if page_indices is None else page_indices),
+      slot_mapping=jnp.zeros(case.num_tokens, jnp.int32), block_table=jnp.asarray(table),
       kv_lens=jnp.asarray(b["kv_lens"]), cu_q_lens=jnp.asarray(b["cu_q_lens"]),
       num_seqs=jnp.asarray(b["num_seqs"]),
       tree_mask=None if b["tree_mask"] is None else jnp.asarray(b["tree_mask"]),
-      max_q_len=case.max_q_len, verify_width=case.verify_width)
+      max_q_len=case.max_q_len, verify_width=case.verify_width, **context)
 
 
 @functools.cache
@@ -228,9 +235,10 @@ def _jitted(case: Case, backend: str, softmax_state: bool, kw: tuple):
       v_scale=case.v_scale, return_softmax_state=softmax_state, backend=backend, **dict(kw)))
 
 
-def run(case: Case, b: dict, backend: str, *, page_indices=None, softmax_state=False, **kw):
+def run(case: Case, b: dict, backend: str, *, page_indices=None, softmax_state=False,
+        compact=False, **kw):
   dt = jnp.dtype(case.dtype)
-  md = metadata(case, b, page_indices)
+  md = metadata(case, b, page_indices, compact)
   # The window goes in traced, as a layer scan passes it.
   window = None if case.sliding_window is None else jnp.int32(case.sliding_window)
   fn = _jitted(case, backend, softmax_state, tuple(sorted(kw.items())))
@@ -293,7 +301,8 @@ def test_xla_default_blocks(rich_case_batch):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_softmax_state_merges_split_context(merge_case_batch, backend):
   """Each sequence's pages split at random in two parts, each part attended alone with the other
-  marked absent: the merged result equals one pass, and so does the log-sum-exp."""
+  marked absent: the merged result equals one pass, and so does the log-sum-exp. The XLA path
+  gives the same parts when it walks only their pages (`context_pages`)."""
   case, b, (want, want_lse) = merge_case_batch
   rng = np.random.default_rng(7)
   pages = b["page_indices"]
@@ -307,6 +316,13 @@ def test_softmax_state_merges_split_context(merge_case_batch, backend):
                            jnp.asarray(lse_b))
   whole, whole_lse = run(case, b, backend, softmax_state=True, **kw)
   tol = 3e-2 if case.dtype == "bfloat16" else 1e-5
+  if backend == "xla":  # a part's pages listed with their positions: the loops walk them alone
+    for pages, (o_p, lse_p) in ((np.where(part, pages, -1), (o_a, lse_a)),
+                                (np.where(part, -1, pages), (o_b, lse_b))):
+      o_c, lse_c = run(case, b, backend, page_indices=pages, softmax_state=True, compact=True,
+                       **kw)
+      np.testing.assert_allclose(o_c, o_p, atol=tol, rtol=tol)
+      np.testing.assert_allclose(lse_c, lse_p, atol=10 * tol, rtol=tol)
   np.testing.assert_allclose(np.asarray(o), whole, atol=tol, rtol=tol)
   n_real = sum(ql for ql, _ in case.seqs)
   live = np.isfinite(want_lse[:n_real])

@@ -12,7 +12,9 @@ On one device it is `write_kv` then `ragged_paged_attention`. On a mesh it runs 
     own pages only (the others are marked absent in the block table) and passes it on with its
     running output and log-sum-exp; after CP hops every block has met every page and is home,
     its partial results merged exactly (`merge_attention`). The KV stays where it is: pages are
-    far larger than a step's queries.
+    far larger than a step's queries. A rank's attention walks its own pages only (listed with
+    their positions, `AttentionMetadata.context_pages`), so CP ranks divide the context's work
+    (the XLA backend; the Pallas kernels walk the whole table, skipping absent pages).
 A quantized cache (int8 / fp8 values and their scales) is split the same way, each scale on the
 rank and tensor shard of its values; every rank quantizes the rows it writes.
 """
@@ -72,6 +74,11 @@ def paged_attention(
     cache = write_kv(cache, layer, k, v, _local_slots(md.slot_mapping, rank, per_rank, shape[4]))
     table = jnp.where(md.block_table // per_rank == rank, md.block_table % per_rank, -1)
     table = jnp.where(md.block_table < 0, -1, table)
+    # This rank's pages first, in position order, with their indices in the sequence: the
+    # context loops walk these alone, so a hop's work is the rank's share of the context.
+    order = jnp.argsort(table < 0, axis=1, stable=True)  # [S, P]
+    own = jnp.take_along_axis(table, order, axis=1)
+    own_pos = jnp.where(own >= 0, order, -1).astype(jnp.int32)
     qs = q.reshape((chunks.shape[1], size) + q.shape[1:])  # [n, C, Hq/TP, D]
 
     def hop(i, carry):  # attend the blocks held now to this rank's pages, pass them on
@@ -79,7 +86,9 @@ def paged_attention(
       origin = (rank - i) % cp  # whose blocks these are
       for j in range(blocks.shape[0]):
         start = jnp.asarray(chunks)[origin, j] * size
-        part = attend(blocks[j], cache, _chunk_metadata(md, table, start, size), layer, window)
+        chunk_md = _chunk_metadata(md, table, start, size).replace(
+            context_pages=own, context_page_pos=own_pos)
+        part = attend(blocks[j], cache, chunk_md, layer, window)
         oj, lj = merge_attention(o[j], lse[j], *part)
         o, lse = o.at[j].set(oj), lse.at[j].set(lj)
       ring = [(r, (r + 1) % cp) for r in range(cp)]

@@ -108,10 +108,25 @@ def ragged_paged_attention_xla(
   def window(kpos, qpos):  # keys a query at qpos may see, besides causality
     return True if sliding_window is None else kpos > qpos - sliding_window
 
-  def blocked_table(ppb):  # the page table padded to whole blocks of ppb pages; keys per block
-    ppb = min(ppb, p_max)
-    return ppb, jnp.pad(page_indices, ((0, 0), (0, -p_max % ppb)), constant_values=-1), \
-        ppb * page_size
+  # The pages the context loops walk, and each one's index among its sequence's pages (None:
+  # the block table's entries in order, whose index is their column).
+  if md.context_pages is None:
+    ctx_table, ctx_pos = page_indices, None
+  else:
+    ctx_table, ctx_pos = md.context_pages, md.context_page_pos
+
+  def blocked_table(ppb):
+    """ppb clipped to the table, the tables padded to whole blocks of ppb pages, keys per block."""
+    ppb = min(ppb, ctx_table.shape[1])
+    pad = lambda x: None if x is None else jnp.pad(
+        x, ((0, 0), (0, -x.shape[1] % ppb)), constant_values=-1)
+    return ppb, pad(ctx_table), pad(ctx_pos), ppb * page_size
+
+  def key_positions(pos_table, first, ppb):  # [S or 1, ppb, page_size] of the block at `first`
+    if pos_table is None:
+      return (first * page_size + jnp.arange(ppb * page_size)).reshape(1, ppb, page_size)
+    pos = jax.lax.dynamic_slice_in_dim(pos_table, first, ppb, axis=1)  # [S, ppb]
+    return pos[:, :, None] * page_size + jnp.arange(page_size)
 
   empty = lambda *lead: (jnp.full(lead, _NEG_INF, f32), jnp.zeros(lead, f32),
                          jnp.zeros(lead + (d,), f32))  # (m, l, acc) of rows that saw no key
@@ -130,6 +145,12 @@ def ragged_paged_attention_xla(
   seg = jnp.clip(jnp.searchsorted(starts, rows, side="right") - 1, 0, s_max - 1)  # [T]
   idx = rows - starts[seg]  # [T] index among the sequence's new rows
   slot_pos = jnp.where(row_live, ctx_lens[seg] + idx, 0)  # [T] where the row's K/V is stored
+  # [S] context pages to walk per sequence: those holding its cached keys (all in the first
+  # entries, the tables being in position order)
+  if ctx_pos is None:
+    ctx_pages_n = (ctx_lens + page_size - 1) // page_size
+  else:
+    ctx_pages_n = jnp.sum((ctx_pos >= 0) & (ctx_pos * page_size < ctx_lens[:, None]), axis=1)
   tree = None if md.tree_mask is None else md.tree_mask.astype(bool)  # [T, W]
   if tree is None:
     pos = slot_pos
@@ -190,7 +211,7 @@ def ragged_paged_attention_xla(
   # sequences at once. Measured on XLA:CPU: ~1024 keys per block over all sequences balances loop
   # overhead against the size of each gathered block (32 keys per sequence for 64 sequences, 128
   # for 8).
-  ppb, table, bk = blocked_table(
+  ppb, table, pos_table, bk = blocked_table(
       pages_per_block or max(1, max(32, min(128, 1024 // s_max)) // page_size))
   short_ctx = jnp.where(is_short, ctx_lens, 0)  # [S]
   srow = starts[:, None] + jnp.arange(w)[None, :]  # [S, W]
@@ -209,13 +230,13 @@ def ragged_paged_attention_xla(
     # the scores and probabilities, not into the values (3-24x fewer multiplies on XLA:CPU, and
     # the int8 gather feeds the matmul through its convert alone).
     k, v, ks, vs = load_raw(pages)
-    kpos = (blk * bk + jnp.arange(bk)).reshape(ppb, page_size)
-    valid = (kpos[None] < short_ctx[:, None, None]) & (pages >= 0)[:, :, None]  # [S, Pb, ps]
+    kpos = key_positions(pos_table, blk * ppb, ppb)  # [S|1, Pb, ps]
+    valid = (kpos < short_ctx[:, None, None]) & (pages >= 0)[:, :, None]  # [S, Pb, ps]
     v = jnp.where(valid[:, :, None, :, None], v, 0.0)
     if ks is not None:  # -> [S, Hkv, 1, Pb, ps], keys last like the scores
       ks, vs = (jnp.where(valid[:, :, None], x, 0.0).transpose(0, 2, 1, 3)[:, :, None]
                 for x in (ks, vs))
-    mask = valid[:, None] & window(kpos[None, None], spos[:, :, None, None])  # [S, W|1, Pb, ps]
+    mask = valid[:, None] & window(kpos[:, None], spos[:, :, None, None])  # [S, W|1, Pb, ps]
     if mask.shape[1] == 1:  # the same keys for all of a sequence's rows
       mask = mask.reshape(s_max, 1, 1, bk)
     else:  # per-row windows: each row's mask repeated over its query group
@@ -225,7 +246,7 @@ def ragged_paged_attention_xla(
                               p.reshape(sc.shape) * (1.0 if vs is None else vs), v)
     return blk + 1, _update(st, sc.reshape(s_max, hkv, w * gq, bk), mask, pv)
 
-  n_blk = (jnp.max(short_ctx, initial=0) + bk - 1) // bk
+  n_blk = (jnp.max(jnp.where(is_short, ctx_pages_n, 0), initial=0) + ppb - 1) // ppb
   _, short = jax.lax.while_loop(lambda c: c[0] < n_blk, short_block,
                                 (jnp.int32(0), empty(s_max, hkv, w * gq)))
   # Scatter to rows [Hkv, Gq, T']; rows of other sequences keep an empty state.
@@ -241,12 +262,12 @@ def ragged_paged_attention_xla(
   if multi_query:
     (multi,) = jnp.nonzero((q_lens > w) & (ctx_lens > 0), size=sp, fill_value=s_max)
     n_multi = jnp.sum(multi < s_max)
-    pbq, table_q, bkq = blocked_table(pages_per_block or max(1, 128 // page_size))
+    pbq, table_q, pos_q, bkq = blocked_table(pages_per_block or max(1, 128 // page_size))
 
     def seq_body(c):
       i_seq, st_all = c
       sq = multi[i_seq]
-      start, ql, cl = starts[sq], q_lens[sq], ctx_lens[sq]
+      start, ql, cl, n_pages = starts[sq], q_lens[sq], ctx_lens[sq], ctx_pages_n[sq]
 
       def tile_body(c2):
         ti, st_all = c2
@@ -260,7 +281,8 @@ def ragged_paged_attention_xla(
           kb, st = c3
           pages = jax.lax.dynamic_slice_in_dim(table_q[sq], kb * pbq, pbq)  # [Pb]
           k, v, ks, vs = load_raw(pages)  # [Pb, Hkv, ps, D], scales [Pb, Hkv, ps] or None
-          kpos = kb * bkq + jnp.arange(bkq)
+          kpos = key_positions(None if pos_q is None else pos_q[sq][None], kb * pbq,
+                               pbq).reshape(bkq)
           valid = (kpos < cl) & jnp.repeat(pages >= 0, page_size)
           k = k.transpose(1, 0, 2, 3).reshape(hkv, bkq, d)
           v = jnp.where(valid[:, None], v.transpose(1, 0, 2, 3).reshape(hkv, bkq, d), 0.0)
@@ -272,7 +294,7 @@ def ragged_paged_attention_xla(
                                  lambda p: jnp.einsum("hxqk,hkd->hxqd",
                                                       p * (1.0 if vs is None else vs), v))
 
-        _, st = jax.lax.while_loop(lambda c3: c3[0] * bkq < cl, kv_body,
+        _, st = jax.lax.while_loop(lambda c3: c3[0] * pbq < n_pages, kv_body,
                                    (jnp.int32(0), empty(hkv, gq, bq)))
         keep = lambda new, old: jnp.where(in_seq.reshape((1, 1, bq) + (1,) * (new.ndim - 3)),
                                           new, old)
