@@ -23,6 +23,7 @@ from jinfer.config import ModelConfig
 from jinfer.engine.data_parallel import DataParallelEngine
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
+from jinfer.errors import ParameterError
 from jinfer.loader import load_model
 from jinfer.models import param_shapes
 from jinfer.parallel import sharding
@@ -292,7 +293,7 @@ def test_act_order_kernel_splits_with_its_perm():
 
 
 @pytest.mark.slow
-def test_int4_parallel_matches_one_device(params):
+def test_int4_parallel_matches_one_device(params, tmp_path):
   """int4 under TP 4 x CP 2 (KV heads duplicated x2) runs as on one device. Groups of 64:
   q/k/v/gate/up split their N, 1/4 on each device; o_proj's and down's K=128 holds 2 groups,
   too few for 4 shards, so they stay whole (the fallback, at run time). The tied embedding
@@ -310,6 +311,10 @@ def test_int4_parallel_matches_one_device(params):
     assert set(sharding.bytes_per_device(w).values()) == {w.nbytes // (1 if whole else 4)}, path
   embed = engine.runner.params["embedding"]
   assert embed.transposed and embed.scale.sharding.spec == P("tensor")
+  # Its KV heads are held twice: not the model's layout to save.
+  with pytest.raises(ParameterError, match="holds each KV head 2 times") as e:
+    engine.save_quantized(str(tmp_path), source="model")
+  assert e.value.param == "tensor_parallel_size" and not os.listdir(tmp_path)
 
 
 @pytest.mark.slow

@@ -198,6 +198,12 @@ class LLMEngine:
     """
     if (source or self.model_name) is None:
       raise ParameterError("source", "an engine built from parts needs the model's source")
+    if self.runner.config.num_kv_heads != self.model_config.num_kv_heads:
+      raise ParameterError("tensor_parallel_size", f"this engine holds each KV head "
+                           f"{self.runner.config.num_kv_heads // self.model_config.num_kv_heads}"
+                           f" times (tensor_parallel_size > num_kv_heads), not the model's "
+                           f"layout: save from an engine with at most "
+                           f"{self.model_config.num_kv_heads} tensor-parallel devices")
     m = self.config.model
     weight_quantization.save(path, self.runner.stacked_params, source=source or self.model_name,
                              quantization=m.quantization, quantization_config=m.quantization_config)
