@@ -336,17 +336,18 @@ def test_int4_experts_split_over_tensor(moe_params):
 @pytest.mark.slow
 def test_gguf_kept_parallel_matches_one_device(tmp_path):
   """A GGUF file's blocks (every type jinfer re-encodes: 4- and 8-bit, groups of 16 and 32, an
-  untied group-wise embedding) under TP 2 x CP 2 run as on one device."""
+  untied group-wise embedding) under TP 2 x CP 2 run as on one device, each kernel split."""
   path = str(tmp_path / "tiny.gguf")
   write_tiny_gguf(path, "llama")
   config, p, _ = load_model(path, load_tokenizer=False, keep_gguf_quantized=True)
   rng = np.random.default_rng(3)
   prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 11)]
-  make = lambda **o: LLMEngine.from_parts(config, p, None, warmup=False, config=EngineConfig.of(
-      max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, page_size=16,
-      compilation_cache=False, quantization="gguf", **o))
-  want = _generate(make(), prompts, max_tokens=4)
-  engine = make(tensor_parallel_size=2, context_parallel_size=2)
+  make = lambda config, p, **o: LLMEngine.from_parts(
+      config, p, None, warmup=False, config=EngineConfig.of(
+          max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, page_size=16,
+          compilation_cache=False, quantization="gguf", **o))
+  want = _generate(make(config, p), prompts, max_tokens=4)
+  engine = make(config, p, tensor_parallel_size=2, context_parallel_size=2)
   _assert_same(_generate(engine, prompts, max_tokens=4), want, QUANTIZED_RTOL)
   kernels = _groupwise(engine)
   # o, gate, up, down (layer 1 stores q, k, v as floats, so their stacks load as floats), the
@@ -355,6 +356,12 @@ def test_gguf_kept_parallel_matches_one_device(tmp_path):
   assert all("tensor" in w.q.sharding.spec for w in kernels.values())
   per = sharding.bytes_per_device(list(kernels.values()))
   assert len(per) == 4 and set(per.values()) == {sum(w.nbytes for w in kernels.values()) // 2}
+  # A tied embedding (the LM head's kernel too) splits its vocabulary the same way.
+  write_tiny_gguf(path, "qwen2", tied=True)
+  tied, p, _ = load_model(path, load_tokenizer=False, keep_gguf_quantized=True)
+  assert tied.tie_word_embeddings and isinstance(p["embedding"], GroupwiseArray)
+  embed = make(tied, p, tensor_parallel_size=2).runner.params["embedding"]
+  assert embed.q.sharding.spec == P(None, "tensor")
 
 
 @pytest.mark.slow
