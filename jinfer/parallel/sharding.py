@@ -23,8 +23,8 @@ float kernel splits when that axis is the first of its group (q_proj's `q_heads`
 `q_heads` and down's `mlp` in K) and N or K divides evenly; K also needs whole groups per shard
 (each group's scale, offset and 4-bit packing stay together). Otherwise that flattened axis stays
 whole (replicated; logged): a fused MoE `gate_up` N `[2, mlp]` under plain tensor parallelism,
-whose chunks would hold gate and up rather than both halves of a slice of `mlp`, and a K with
-too few groups to split. An act-order `perm` follows K; its rows may point into other shards,
+whose chunks would hold gate and up rather than both halves of a slice of `mlp`, and a K whose
+number of groups TP does not divide. An act-order `perm` follows K; its rows may point into other shards,
 where XLA gathers the step's activations (never the weights) before the matmul.
 """
 from __future__ import annotations
