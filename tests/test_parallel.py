@@ -23,13 +23,17 @@ from jinfer.config import ModelConfig
 from jinfer.engine.data_parallel import DataParallelEngine
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
+from jinfer.errors import ParameterError
+from jinfer.loader import load_model
 from jinfer.models import param_shapes
 from jinfer.parallel import sharding
 from jinfer.parallel.attention import paged_attention
 from jinfer.parallel.mesh import ParallelConfig, make_mesh
+from jinfer.quant.groupwise import GroupwiseArray
 from jinfer.sampling.params import SamplingParams
 from pallas_kernels import AttentionMetadata
 from tests.engine_fixtures import SMOLLM2, CompileCounter
+from tests.tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
                                 reason="needs 8 devices (conftest.py sets jax_num_cpu_devices)")
@@ -165,11 +169,10 @@ QUANTIZED_RTOL = 1e-3
 
 @pytest.mark.parametrize("options", [
     dict(tensor_parallel_size=2),
-    pytest.param(dict(tensor_parallel_size=4), marks=pytest.mark.slow),
     pytest.param(dict(tensor_parallel_size=8), marks=pytest.mark.slow),  # KV heads x4
     pytest.param(dict(tensor_parallel_size=2, data_parallel_size=2), marks=pytest.mark.slow),
-    pytest.param(dict(tensor_parallel_size=2, context_parallel_size=2, context_layout="plain"),
-                 marks=pytest.mark.slow),
+    # TP 4 x CP 2 runs int4 weights in test_int4_parallel_matches_one_device, TP 2 x CP 2
+    # GGUF blocks in test_gguf_kept_parallel_matches_one_device.
 ], ids=lambda o: "-".join(f"{k.split('_')[0]}{v}" for k, v in o.items()))
 def test_parallel_engine_matches_one_device(params, reference, options):
   # Data parallel: each rank compiles its startup buckets and runs in them alone ("never": the
@@ -215,19 +218,150 @@ def test_bytes_per_device(params):
   assert abs(ranks[0] - ranks[1]) <= 1, ranks
 
 
+INT4 = dict(quantization="int4", quantization_config={"method": "rtn", "group_size": 32})
+
+
+def _groupwise(engine) -> dict:
+  return {path: w for path, w in jax.tree_util.tree_leaves_with_path(
+      engine.runner.params, is_leaf=lambda x: isinstance(x, GroupwiseArray))
+          if isinstance(w, GroupwiseArray)}
+
+
+def _q_spec(engine, *path) -> P:
+  w = engine.runner.params
+  for key in path:
+    w = w[key]
+  return w.q.sharding.spec
+
+
+def test_int4_kernels_split_over_tensor(params):
+  """Group-wise kernels split as their float kernels do, 1/TP of their bytes on each device;
+  where a shard would not hold whole groups (g=128 of o_proj's and down's K=128 over 2) that
+  axis stays whole rather than failing (run in test_int4_parallel_matches_one_device). No step
+  compiles here."""
+  engine = _engine(params, tensor_parallel_size=2, **INT4)
+  kernels = _groupwise(engine)
+  assert len(kernels) == 7  # q, k, v, o, gate, up, down
+  assert _q_spec(engine, "layers", "attn", "q_proj", "kernel") == P(None, None, "tensor")  # N
+  assert _q_spec(engine, "layers", "attn", "o_proj", "kernel") == P(None, "tensor", None)  # K
+  assert _q_spec(engine, "layers", "mlp", "down_proj", "kernel") == P(None, "tensor", None)
+  per = sharding.bytes_per_device(list(kernels.values()))
+  total = sum(w.nbytes for w in kernels.values())
+  assert set(per.values()) == {total // 2}
+
+  whole = _engine(params, tensor_parallel_size=2, quantization="int4",
+                  quantization_config={"method": "rtn", "group_size": 128})
+  assert _q_spec(whole, "layers", "attn", "q_proj", "kernel") == P(None, None, "tensor")
+  assert _q_spec(whole, "layers", "attn", "o_proj", "kernel") == P(None, None, None)
+  assert _q_spec(whole, "layers", "mlp", "down_proj", "kernel") == P(None, None, None)
+
+
+def test_groupwise_kv_heads_duplicate_as_floats(params):
+  """KV heads < TP: a group-wise k/v kernel's columns repeat per head, as a float kernel's."""
+  from jinfer.engine.weight_quantization import check_config, quantize_weights
+  q = quantize_weights(CFG, params, "int4", check_config("int4", INT4["quantization_config"]),
+                       int8_transposed=False)
+  config, dup = sharding.duplicate_kv_heads(CFG, q, 8)
+  assert config.num_kv_heads == 8
+  for name in ("k_proj", "v_proj"):
+    w, got = q["layers"]["attn"][name]["kernel"], dup["layers"]["attn"][name]["kernel"]
+    want = jnp.repeat(w.dequantize().reshape(2, 64, 2, 16), 4, axis=-2).reshape(2, 64, 128)
+    np.testing.assert_array_equal(got.dequantize(), want)
+
+
+def test_act_order_kernel_splits_with_its_perm():
+  """A GPTQ act-order kernel (stored row i is row perm[i], perm across all of K) split along K
+  with its perm multiplies as on one device."""
+  from jinfer.models.kernel_options import KernelOptions
+  from jinfer.models.llama import _groupwise
+  from pallas_kernels.groupwise_matmul import pack_int4
+  rng = np.random.default_rng(4)
+  k, n, g = 128, 64, 32  # o_proj-like: K = [q_heads 8, head_dim 16]
+  w = GroupwiseArray(q=pack_int4(jnp.asarray(rng.integers(0, 16, (k, n))), g),
+                     scale=jnp.asarray(rng.random((k // g, n)), jnp.float32),
+                     offset=jnp.asarray(rng.standard_normal((k // g, n)), jnp.float32),
+                     bits=4, group_size=g, perm=jnp.asarray(rng.permutation(k), jnp.int32))
+  mesh = make_mesh(ParallelConfig(tensor_parallel_size=2))
+  axes = {"o": {"kernel": ("q_heads", "head_dim", "embed")}}
+  split = sharding.shard_params({"o": {"kernel": w}}, axes, mesh,
+                                linear={"o": {"kernel": (2, 1, False, False)}})["o"]["kernel"]
+  assert split.q.sharding.spec == P("tensor", None) and split.perm.sharding.spec == P("tensor")
+  x = jnp.asarray(rng.standard_normal((3, k)), jnp.float32)
+  matmul = jax.jit(lambda x, w: _groupwise(x, w, KernelOptions(groupwise="xla")))
+  np.testing.assert_allclose(np.asarray(matmul(x, split)), np.asarray(matmul(x, w)),
+                             rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
-def test_quantized_tied_head_matches_one_device(params):
-  """A tied embedding quantizes as the LM head's kernel `[vocab, embed]`: under tensor
-  parallelism its per-row scales follow the rows' vocabulary split."""
+def test_int4_parallel_matches_one_device(params, tmp_path):
+  """int4 under TP 4 x CP 2 (KV heads duplicated x2) runs as on one device. Groups of 64:
+  q/k/v/gate/up split their N, 1/4 on each device; o_proj's and down's K=128 holds 2 groups,
+  too few for 4 shards, so they stay whole (the fallback, at run time). The tied embedding
+  (int8, quantized as the LM head's kernel `[vocab, embed]`) has its per-row scales follow the
+  rows' vocabulary split."""
   tied = dataclasses.replace(CFG, tie_word_embeddings=True)
   p = {k: v for k, v in params.items() if k != "lm_head"}
   make = lambda **o: LLMEngine.from_parts(tied, p, None, warmup=False, config=EngineConfig.of(
-      **BASE, quantization="int8", **o))
+      **BASE, quantization="int4", quantization_config={"method": "rtn", "group_size": 64}, **o))
   want = _generate(make(), SHORT[:2], max_tokens=3)
-  engine = make(tensor_parallel_size=2)
+  engine = make(tensor_parallel_size=4, context_parallel_size=2)
   _assert_same(_generate(engine, SHORT[:2], max_tokens=3), want, QUANTIZED_RTOL)
+  for path, w in _groupwise(engine).items():
+    whole = path[-2].key in ("o_proj", "down_proj")
+    assert set(sharding.bytes_per_device(w).values()) == {w.nbytes // (1 if whole else 4)}, path
   embed = engine.runner.params["embedding"]
   assert embed.transposed and embed.scale.sharding.spec == P("tensor")
+  # Its KV heads are held twice: not the model's layout to save.
+  with pytest.raises(ParameterError, match="holds each KV head 2 times") as e:
+    engine.save_quantized(str(tmp_path), source="model")
+  assert e.value.param == "tensor_parallel_size" and not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_int4_experts_split_over_tensor(moe_params):
+  """int4 MoE experts: with expert parallelism whole experts (the lead `expert` axis) split;
+  without it the fused gate_up, whose N is `[2, mlp]`, stays whole (its chunks would hold gate
+  and up, not both halves of an `mlp` slice) and down splits its K. No step compiles here."""
+  make = lambda **o: LLMEngine.from_parts(MOE, moe_params, None, warmup=False,
+                                          config=EngineConfig.of(**BASE, **{**INT4, **o}))
+  spec = lambda engine, name: engine.runner.params["moe_layers"][name]["kernel"].q.sharding.spec
+  ep = make(tensor_parallel_size=4, enable_expert_parallel=True)
+  assert spec(ep, "gate_up") == spec(ep, "down") == P(None, "tensor", None, None)
+  tp = make(tensor_parallel_size=2,
+            quantization_config={"method": "rtn", "group_size": 16})  # down: K = 32, 2 groups
+  assert spec(tp, "gate_up") == P(None, None, None, None)
+  assert spec(tp, "down") == P(None, None, "tensor", None)
+
+
+@pytest.mark.slow
+def test_gguf_kept_parallel_matches_one_device(tmp_path):
+  """A GGUF file's blocks (every type jinfer re-encodes: 4- and 8-bit, groups of 16 and 32, an
+  untied group-wise embedding) under TP 2 x CP 2 run as on one device, each kernel split."""
+  path = str(tmp_path / "tiny.gguf")
+  write_tiny_gguf(path, "llama")
+  config, p, _ = load_model(path, load_tokenizer=False, keep_gguf_quantized=True)
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (5, 11)]
+  make = lambda config, p, **o: LLMEngine.from_parts(
+      config, p, None, warmup=False, config=EngineConfig.of(
+          max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, page_size=16,
+          compilation_cache=False, quantization="gguf", **o))
+  want = _generate(make(config, p), prompts, max_tokens=4)
+  engine = make(config, p, tensor_parallel_size=2, context_parallel_size=2)
+  _assert_same(_generate(engine, prompts, max_tokens=4), want, QUANTIZED_RTOL)
+  kernels = _groupwise(engine)
+  # o, gate, up, down (layer 1 stores q, k, v as floats, so their stacks load as floats), the
+  # embedding and the LM head
+  assert len(kernels) == 6
+  assert all("tensor" in w.q.sharding.spec for w in kernels.values())
+  per = sharding.bytes_per_device(list(kernels.values()))
+  assert len(per) == 4 and set(per.values()) == {sum(w.nbytes for w in kernels.values()) // 2}
+  # A tied embedding (the LM head's kernel too) splits its vocabulary the same way.
+  write_tiny_gguf(path, "qwen2", tied=True)
+  tied, p, _ = load_model(path, load_tokenizer=False, keep_gguf_quantized=True)
+  assert tied.tie_word_embeddings and isinstance(p["embedding"], GroupwiseArray)
+  embed = make(tied, p, tensor_parallel_size=2).runner.params["embedding"]
+  assert embed.q.sharding.spec == P(None, "tensor")
 
 
 @pytest.mark.slow

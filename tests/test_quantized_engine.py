@@ -209,12 +209,6 @@ def test_bad_quantization_options_fail_before_loading(tiny_model_dir, options, p
   assert e.value.param == param
 
 
-def test_int4_sharded_is_refused(tiny_model):
-  with pytest.raises(ParameterError, match="does not run sharded yet") as e:
-    make_engine(tiny_model, warmup=False, tensor_parallel_size=2, **INT4)
-  assert e.value.param == "quantization"
-
-
 # -- the real model -----------------------------------------------------------------------------
 def _perplexity(llm: LLM, ids: list[int]) -> float:
   out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]

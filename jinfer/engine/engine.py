@@ -144,23 +144,24 @@ class LLMEngine:
       raise ValueError(f"with several processes the mesh spans every device: "
                        f"tensor_parallel_size x context_parallel_size must be "
                        f"{jax.device_count()}, and data_parallel_size 1")
-    run_config, run_params, mesh = model_config, params, None
+    mesh = None
     if par.is_parallel or devices is not None:
       check_tensor_parallel(model_config, par.tensor_parallel_size,
                             par.enable_expert_parallel)
-      run_config, run_params = duplicate_kv_heads(model_config, params,
-                                                  par.tensor_parallel_size)
       mesh = make_mesh(par, devices)
     # One device gets no mesh in the kernels: attention skips the per-shard wrapper.
     kernels = config.kernel_options(mesh if par.is_parallel else None)
-    if config.model.quantization in ("int4", "gguf") and mesh is not None:
-      raise ParameterError("quantization", f"quantization={config.model.quantization!r} does not "
-                           f"run sharded yet (tensor/context parallelism)")
+    # Quantized before KV heads are duplicated for the mesh: calibration sees the model's own
+    # heads, and every shard count runs the weights one device runs.
     run_params = weight_quantization.quantize_weights(
-        run_config, run_params, config.model.quantization,
+        model_config, params, config.model.quantization,
         weight_quantization.check_config(config.model.quantization,
                                          config.model.quantization_config),
         int8_transposed=kernels.int8_transposed, tokenizer=tokenizer)
+    run_config = model_config
+    if mesh is not None:
+      run_config, run_params = duplicate_kv_heads(model_config, run_params,
+                                                  par.tensor_parallel_size)
     if spec is not None:
       self.proposer = create_proposer(spec, Target(
           config=model_config, params=params, run_config=run_config, run_params=run_params,
@@ -197,6 +198,12 @@ class LLMEngine:
     """
     if (source or self.model_name) is None:
       raise ParameterError("source", "an engine built from parts needs the model's source")
+    if self.runner.config.num_kv_heads != self.model_config.num_kv_heads:
+      raise ParameterError("tensor_parallel_size", f"this engine holds each KV head "
+                           f"{self.runner.config.num_kv_heads // self.model_config.num_kv_heads}"
+                           f" times (tensor_parallel_size > num_kv_heads), not the model's "
+                           f"layout: save from an engine with at most "
+                           f"{self.model_config.num_kv_heads} tensor-parallel devices")
     m = self.config.model
     weight_quantization.save(path, self.runner.stacked_params, source=source or self.model_name,
                              quantization=m.quantization, quantization_config=m.quantization_config)

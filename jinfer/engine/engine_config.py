@@ -268,6 +268,9 @@ class ResolvedConfig:
     return KernelOptions(attention=self.attention_backend, matmul=self.matmul_backend,
                          int8_transposed=self.matmul_backend == "xla" and mesh is None,
                          dense=None if mesh is None else "reference",
+                         # Pallas kernels are opaque to XLA's partitioner (sharded operands
+                         # would be gathered whole); the XLA form splits like any dot.
+                         groupwise=None if mesh is None else "xla",
                          grouped_matmul=self.grouped_matmul_backend,
                          interpret=self.kernels.interpret, quantization=self.model.quantization,
                          mesh=mesh, context_layout=self.parallel.context_layout,

@@ -19,7 +19,7 @@ from jinfer.config import ModelConfig
 from jinfer.engine import compilation_cache
 from jinfer.engine.speculative.proposer import InStep
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
-from jinfer.models import CausalLM, logical_axes, unstack_layers
+from jinfer.models import CausalLM, linear_kernels, logical_axes, unstack_layers
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.parallel import distributed, sharding
 from jinfer.quant.qarray import param_bytes
@@ -140,7 +140,8 @@ class ModelRunner:
     self.config, self.spec, self.buckets, self.mesh = config, spec, buckets, mesh
     out_shardings = None
     if mesh is not None:
-      params = sharding.shard_params(params, logical_axes(config), mesh, expert_parallel)
+      params = sharding.shard_params(params, logical_axes(config), mesh, expert_parallel,
+                                     linear=linear_kernels(config))
       kv_sharding = sharding.kv_cache_sharding(mesh, spec.quantized)
       out_shardings = (NamedSharding(mesh, P()), kv_sharding)
       # Sharded params run the scanned stack only: the CPU's per-layer views are single-device

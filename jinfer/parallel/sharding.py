@@ -15,18 +15,33 @@ parallelism an expert's MLP columns stay whole). The KV cache shards its pages o
 and its KV heads over `tensor` (a quantized cache's scales likewise). Where `num_kv_heads < TP`
 each KV head is duplicated `TP / num_kv_heads` times (as vLLM does) so every tensor shard holds
 the one its query heads use.
+
+Group-wise quantized kernels (`GroupwiseArray`: int4, AWQ/GPTQ checkpoints, GGUF blocks) are
+flattened to one contracting axis K and one output axis N, the kernel's first logical axis of
+each outermost. Splitting K or N into TP contiguous chunks therefore splits the logical axis a
+float kernel splits when that axis is the first of its group (q_proj's `q_heads` in N, o_proj's
+`q_heads` and down's `mlp` in K) and N or K divides evenly; K also needs whole groups per shard
+(each group's scale, offset and 4-bit packing stay together). Otherwise that flattened axis stays
+whole (replicated; logged): a fused MoE `gate_up` N `[2, mlp]` under plain tensor parallelism,
+whose chunks would hold gate and up rather than both halves of a slice of `mlp`, and a K whose
+number of groups TP does not divide. An act-order `perm` follows K; its rows may point into other shards,
+where XLA gathers the step's activations (never the weights) before the matmul.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jinfer.config import ModelConfig
+from jinfer.quant.groupwise import GroupwiseArray
 from jinfer.quant.qarray import QArray
 from pallas_kernels import QuantizedKVCache
+
+log = logging.getLogger(__name__)
 
 RULES = {"q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
 KV_CACHE_SPEC = P(None, "context", None, "tensor", None, None)
@@ -58,17 +73,31 @@ def check_tensor_parallel(config: ModelConfig, tp: int, expert_parallel: bool = 
 
 def duplicate_kv_heads(config: ModelConfig, params: dict, tp: int) -> tuple[ModelConfig, dict]:
   """With fewer KV heads than TP shards, repeat each KV head (its k/v projection columns and
-  biases) TP / num_kv_heads times. Query head h still meets a copy of its own KV head: copies
-  sit next to each other, so shard i holds a copy of KV head i * Hkv // TP."""
+  biases, quantized or not) TP / num_kv_heads times. Query head h still meets a copy of its own
+  KV head: copies sit next to each other, so shard i holds a copy of KV head i * Hkv // TP."""
   hkv = config.num_kv_heads
   if hkv >= tp:
     return config, params
   r = tp // hkv
-  attn = dict(params["layers"]["attn"])
-  for name in ("k_proj", "v_proj"):
+
+  def repeat(w):
+    if isinstance(w, GroupwiseArray):  # N = [Hkv, D] flattened: repeat whole heads' columns
+      def cols(a):  # [lead..., rows, Hkv * D]
+        a = a.reshape(*a.shape[:-1], hkv, a.shape[-1] // hkv)
+        a = jnp.repeat(a, r, axis=-2)
+        return a.reshape(*a.shape[:-2], -1)
+      return dataclasses.replace(w, q=cols(w.q), scale=cols(w.scale), offset=cols(w.offset))
+    if isinstance(w, QArray):  # values [lead, E, Hkv, D] or, transposed, [lead, Hkv, D, E]
+      return dataclasses.replace(
+          w, values=jnp.repeat(w.values, r, axis=-3 if w.transposed else -2),
+          scale=jnp.repeat(w.scale, r, axis=-2))  # [lead, Hkv, D]
     # kernel [L, E, Hkv, D] and bias [L, Hkv, D]: the KV head axis is third from the end or the
     # middle one; repeating it along -2 covers both.
-    attn[name] = {key: jnp.repeat(w, r, axis=-2) for key, w in attn[name].items()}
+    return jnp.repeat(w, r, axis=-2)
+
+  attn = dict(params["layers"]["attn"])
+  for name in ("k_proj", "v_proj"):
+    attn[name] = {key: repeat(w) for key, w in attn[name].items()}
   params = dict(params, layers=dict(params["layers"], attn=attn))
   return dataclasses.replace(config, num_kv_heads=tp), params
 
@@ -89,12 +118,22 @@ def param_shardings(axes: dict, mesh: Mesh, expert_parallel: bool = False) -> di
                       axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def shard_params(params: dict, axes: dict, mesh: Mesh, expert_parallel: bool = False) -> dict:
+def shard_params(params: dict, axes: dict, mesh: Mesh, expert_parallel: bool = False,
+                 linear: dict | None = None) -> dict:
+  """`linear`: the model's `linear_kernels(config)`, needed where params hold `GroupwiseArray`s
+  (which axes of theirs contract)."""
   shardings = param_shardings(axes, mesh, expert_parallel)
+  decls = {} if linear is None else dict(jax.tree_util.tree_flatten_with_path(
+      linear, is_leaf=lambda x: isinstance(x, tuple))[0])
+  axes_of = dict(jax.tree_util.tree_flatten_with_path(
+      axes, is_leaf=lambda x: isinstance(x, tuple))[0]).get
+  whole: list[str] = []
+
   # Quantized kernels (QArray leaves) take their kernel's sharding for the values and the same
   # spec without the contracting axes for the scales (which come last in a transposed kernel,
-  # the quantized tied embedding).
-  def put(w, sharding):
+  # the quantized tied embedding). Group-wise ones split their flattened K and N as the module
+  # docstring says.
+  def put(path, w, sharding):
     if isinstance(w, QArray):
       spec = tuple(sharding.spec) + (None,) * (w.values.ndim - len(sharding.spec))
       lead = w.values.ndim - w.n_in - w.n_out
@@ -105,8 +144,63 @@ def shard_params(params: dict, axes: dict, mesh: Mesh, expert_parallel: bool = F
       return dataclasses.replace(
           w, values=jax.device_put(w.values, sharding),
           scale=jax.device_put(w.scale, NamedSharding(mesh, scale_spec)))
+    if isinstance(w, GroupwiseArray):
+      decl = decls.get(path)
+      if decl is None and axes_of(path) == ("vocab", "embed"):
+        decl = (1, 1, True)  # an untied embedding kept group-wise: the head's view [K=E, N=V]
+      if decl is None:
+        raise ValueError(f"{_name(path)}: a group-wise kernel needs its declaration (pass "
+                         f"linear=linear_kernels(config))")
+      lead_spec, k_spec, n_spec, why = _groupwise_spec(
+          w, tuple(sharding.spec), decl, mesh.shape["tensor"])
+      if why:
+        whole.append(f"{_name(path)} ({why})")
+      put_as = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*lead_spec, *spec)))
+      return dataclasses.replace(
+          w, q=put_as(w.q, k_spec, n_spec), scale=put_as(w.scale, k_spec, n_spec),
+          offset=put_as(w.offset, k_spec, n_spec),
+          perm=None if w.perm is None else put_as(w.perm, k_spec))
     return jax.device_put(w, sharding)
-  return jax.tree.map(put, params, shardings, is_leaf=lambda x: isinstance(x, QArray))
+
+  out = jax.tree_util.tree_map_with_path(
+      put, params, shardings, is_leaf=lambda x: isinstance(x, (QArray, GroupwiseArray)))
+  if whole:
+    log.info("group-wise kernels kept whole along an axis the float kernel splits: %s",
+             "; ".join(whole))
+  return out
+
+
+def _name(path) -> str:
+  return "/".join(str(k.key) for k in path)
+
+
+def _groupwise_spec(w: GroupwiseArray, spec: tuple, decl: tuple, tp: int):
+  """(lead spec, K's, N's, why an axis the float kernel splits stays whole or "") of a flattened
+  kernel, from its float kernel's partition spec `spec` and declaration `decl` (`n_in, n_out,
+  transposed, ...`). The flattened K or N splits as its group's first logical axis does."""
+  n_in, n_out, transposed = decl[:3]
+  lead = w.q.ndim - 2
+  spec = spec + (None,) * (lead + n_in + n_out - len(spec))
+  lead_spec, rest = spec[:lead], spec[lead:]
+  outs, ins = (rest[:n_out], rest[n_out:]) if transposed else (rest[n_in:], rest[:n_in])
+  k, n = w.shape[-2:]
+  reasons = []
+
+  def flat(group, what, size, unit):
+    if not any(group):
+      return None
+    if group[0] is None:
+      reasons.append(f"{what}: the split axis is not its first")
+    elif (size // unit) % tp:
+      reasons.append(f"{what}: {size // unit} {'groups' if unit > 1 else 'columns'} over "
+                     f"{tp} shards")
+    else:
+      return group[0]
+    return None
+
+  k_spec = flat(ins, "K", k, w.group_size)
+  n_spec = flat(outs, "N", n, 1)
+  return lead_spec, k_spec, n_spec, ", ".join(reasons)
 
 
 def kv_cache_specs(quantized: bool = False) -> P | QuantizedKVCache:
