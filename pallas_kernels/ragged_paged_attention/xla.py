@@ -151,6 +151,22 @@ def ragged_paged_attention_xla(
     ctx_pages_n = (ctx_lens + page_size - 1) // page_size
   else:
     ctx_pages_n = jnp.sum((ctx_pos >= 0) & (ctx_pos * page_size < ctx_lens[:, None]), axis=1)
+  if sliding_window is not None:
+    # Keys before a sequence's earliest window are masked anyway: its walk starts at the first
+    # page its first new row (at position ctx_len) can see, so a windowed layer's context work
+    # follows the window, not the context.
+    n_cols = ctx_table.shape[1]
+    first_page = jnp.maximum(ctx_lens - sliding_window + 1, 0) // page_size  # [S]
+    if ctx_pos is None:
+      skip, listed_pos = first_page, jnp.broadcast_to(jnp.arange(n_cols), ctx_table.shape)
+    else:
+      skip = jnp.sum((ctx_pos >= 0) & (ctx_pos < first_page[:, None]), axis=1)
+      listed_pos = ctx_pos
+    col = skip[:, None] + jnp.arange(n_cols)  # [S, P]
+    shift = lambda x: jnp.where(col < n_cols, jnp.take_along_axis(
+        x, jnp.minimum(col, n_cols - 1), axis=1), -1)
+    ctx_table, ctx_pos = shift(ctx_table), shift(listed_pos).astype(jnp.int32)
+    ctx_pages_n = jnp.maximum(ctx_pages_n - skip, 0)
   tree = None if md.tree_mask is None else md.tree_mask.astype(bool)  # [T, W]
   if tree is None:
     pos = slot_pos
