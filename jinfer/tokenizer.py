@@ -190,6 +190,7 @@ class Tokenizer:
     self._eos_token_ids = eos_token_ids
     self._chat_template = chat_template
     self._compiled: jinja2.Template | None = None
+    self.name: str | None = None  # the model it was loaded with, for messages
 
   @classmethod
   def from_gguf(cls, path: str) -> "Tokenizer":
@@ -322,16 +323,25 @@ class Tokenizer:
     return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
   def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                          tokenize: bool = False, **kwargs) -> str | list[int]:
-    """Render `messages` with the chat template, as transformers' `apply_chat_template` does.
+                          tokenize: bool = False, chat_template: str | None = None,
+                          **kwargs) -> str | list[int]:
+    """Render `messages` with the chat template (`chat_template`: this one instead), as
+    transformers' `apply_chat_template` does.
 
     `kwargs` reach the template as variables (tools, documents, enable_thinking, ...) and
     override the special token strings it also sees.
     """
-    if self._chat_template is None:
-      raise ValueError("this tokenizer has no chat template")
-    if self._compiled is None:
-      self._compiled = _chat_template_env().from_string(self._chat_template)
+    if chat_template is not None:
+      compiled = _chat_template_env().from_string(chat_template)
+    elif self._chat_template is None:
+      raise NoChatTemplate(
+          f"{self.name or 'this model'} has no chat template: it is a base model that completes "
+          f"text (use generate / the completions API). To chat with it anyway, give a chat "
+          f"template (chat_template=..., a Jinja string as transformers takes it).")
+    else:
+      if self._compiled is None:
+        self._compiled = _chat_template_env().from_string(self._chat_template)
+      compiled = self._compiled
     # transformers drops None-valued keys (templates handle a missing key, not a literal None)
     # and passes a message's reasoning under every name templates read it by.
     chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
@@ -341,9 +351,12 @@ class Tokenizer:
         chat[i] = {"thinking": reasoning, **m, "reasoning_content": reasoning}
     context = {k: v for k, v in self._special_tokens.items() if v is not None}
     context |= {"tools": None, "documents": None} | kwargs
-    text = self._compiled.render(messages=chat, add_generation_prompt=add_generation_prompt,
-                                 **context)
+    text = compiled.render(messages=chat, add_generation_prompt=add_generation_prompt, **context)
     return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+class NoChatTemplate(ValueError):
+  """A chat was asked of a tokenizer without a chat template, and none was given."""
 
 
 def _read_json(file: str) -> dict:
