@@ -162,3 +162,66 @@ def test_engine_greedy_matches_hf(tiny):
     for _ in range(new):  # transformers' greedy choice, EOS included (the engine ignores EOS)
       seq.append(int(np.argmax(_hf_logits(hf, seq)[-1])))
     assert tokens == seq[len(prompt):]
+
+
+def _sentencepiece_vocab(size: int) -> tuple[list[str], list[float], list[int]]:
+  """A Gemma-like GGUF vocabulary: control tokens, a user-defined one, a run of spaces (stored
+  as spaces, as llama.cpp writes Gemma's), the 256 byte-fallback tokens, then pieces."""
+  tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "\n", "  "]
+  types = [3, 3, 3, 3, 3, 3, 4, 4]
+  tokens += [f"<0x{b:02X}>" for b in range(256)]
+  types += [6] * 256
+  pieces = ["▁", "e", "t", "h", "o", "a", "n", "s", "r", "l", "i", "d", "▁t", "he", "▁the",
+            "▁a", "in", "er", "on", "▁o", "▁s", "at", "en", "▁of", "re", "is", "▁is", "or",
+            "an", "nd", "▁and", "ll", "lo", "ello", "▁h", "▁he", "▁hello", "w", "▁w", "ld",
+            "▁wor", "▁world", "c", "p", "▁ca", "▁cap", "it", "al", "ital", "▁capital", "F",
+            "▁F", "ra", "nce", "▁France", "é", "ö", "日", "本", "x", "y", "z", "2", "0", "1"]
+  tokens += pieces
+  types += [1] * len(pieces)
+  rng = np.random.default_rng(0)
+  while len(tokens) < size:  # unused filler pieces
+    tokens.append("▁" + "".join(rng.choice(list("qjvkxz"), 4)))
+    types.append(1)
+  scores = [-float(i) if t == 1 else 0.0 if t == 6 else -1000.0 for i, t in enumerate(types)]
+  return tokens, scores, types
+
+
+@pytest.mark.slow
+def test_gguf_matches_hf(tmp_path):
+  """A Gemma-3 GGUF (norms stored plus one, no layer pattern, no local rope base): jinfer's
+  model from it matches the transformers model it was written from, and its SentencePiece
+  tokenizer encodes as transformers' tokenizer from the same file."""
+  from jinfer.tokenizer import Tokenizer
+  from jinfer.weights.gguf_file import load_gguf
+  from tests.hf_to_gguf import write_gemma3_as_gguf
+  vocab = 400
+  torch.manual_seed(0)
+  # transformers' defaults for what the file leaves out: 6-layer pattern, local rope base 1e4.
+  cfg = transformers.Gemma3TextConfig(
+      vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=7,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+      max_position_embeddings=256, sliding_window=WINDOW,
+      rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+  hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+  with torch.no_grad():
+    for n, p in hf.named_parameters():
+      if "norm" in n:
+        p.normal_(0.0, 0.3)
+  file = str(tmp_path / "tiny-gemma3.gguf")
+  write_gemma3_as_gguf(file, hf, *_sentencepiece_vocab(vocab))
+
+  config, params = load_gguf(file)
+  assert config.local_rope == (True,) * 5 + (False, True)
+  assert config.sliding_windows == (WINDOW,) * 5 + (None, WINDOW)
+  worst = _prefill_then_decode(hf, config, params, steps=1)
+  assert worst <= 1e-4, f"max abs logit error {worst:.2e}"
+
+  ours = Tokenizer.from_gguf(file)
+  theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path),
+                                                      gguf_file="tiny-gemma3.gguf")
+  for text in ["The capital of France is", "hello  world\n\nthe end", " héllo wörld 日本 qq",
+               "<start_of_turn>user\nhi<end_of_turn>", "x   y\tz 2012"]:
+    assert ours.encode(text) == theirs.encode(text), text
+    assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text),
+                                                           skip_special_tokens=True)
