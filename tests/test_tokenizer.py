@@ -246,6 +246,8 @@ def test_gguf_without_merges_is_rejected(tmp_path):
 
 
 def test_gguf_sentencepiece_tokenizer_is_rejected(tmp_path):
+  """SentencePiece vocabularies are built for Gemma files only (Llama 2's needs another
+  normalizer)."""
   path = str(tmp_path / "spm.gguf")
   w = gguf.GGUFWriter(path, "llama")
   w.add_tokenizer_model("llama")
@@ -254,7 +256,8 @@ def test_gguf_sentencepiece_tokenizer_is_rejected(tmp_path):
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-  with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model='llama' is not supported"):
+  with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model='llama' \(architecture "
+                                       r"'llama'\) is not supported"):
     Tokenizer.from_gguf(path)
 
 
