@@ -52,14 +52,23 @@ def _hf_model(name: str):
   return hf
 
 
-@pytest.fixture(scope="module", params=[
-    "gqa", pytest.param("mqa-untied", marks=pytest.mark.slow)])
-def tiny(request, tmp_path_factory):
-  hf = _hf_model(request.param)
-  path = str(tmp_path_factory.mktemp(request.param))
+def _saved(name: str, tmp_path_factory):
+  hf = _hf_model(name)
+  path = str(tmp_path_factory.mktemp(name))
   hf.save_pretrained(path)
   config = ModelConfig.from_hf_dir(path)
   return hf, config, load_safetensors_dir(path, config), path
+
+
+@pytest.fixture(scope="module", params=[
+    "gqa", pytest.param("mqa-untied", marks=pytest.mark.slow)])
+def tiny(request, tmp_path_factory):
+  return _saved(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa(tmp_path_factory):  # for the costlier paths, one config is enough
+  return _saved("gqa", tmp_path_factory)
 
 
 def _hf_logits(hf, ids: list[int]) -> np.ndarray:  # [len(ids), V]
@@ -97,8 +106,8 @@ def test_matches_hf(tiny):
 
 
 @pytest.mark.slow
-def test_unrolled_stack_matches_hf(tiny):
-  hf, config, params, _ = tiny
+def test_unrolled_stack_matches_hf(tiny_gqa):
+  hf, config, params, _ = tiny_gqa
   worst = _prefill_then_decode(hf, config, params, scan_layers=False, steps=1)
   assert worst <= 1e-4, f"max abs logit error {worst:.2e}"
 
@@ -144,12 +153,12 @@ def test_multimodal_checkpoint_loads_its_text_stack(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_engine_greedy_matches_hf(tiny):
+def test_engine_greedy_matches_hf(tiny_gqa):
   """Through the engine (paged cache, chunked prefill of a prompt longer than the window, the
   engine's own bucketing): greedy tokens equal transformers' greedy generation."""
   from jinfer.sampling.params import SamplingParams
   from tests.engine_fixtures import make_engine, run_tokens
-  hf, config, params, _ = tiny
+  hf, config, params, _ = tiny_gqa
   engine = make_engine((config, params, None), warmup=False, max_model_len=64, page_size=4,
                        num_pages=40, max_num_seqs=4, max_num_batched_tokens=16)
   rng = np.random.default_rng(3)
