@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-import gguf
+import jax
 import numpy as np
 import pytest
 import torch
@@ -202,6 +202,8 @@ def test_gguf_matches_hf(tmp_path):
   tokenizer encodes as transformers' tokenizer from the same file."""
   from jinfer.tokenizer import Tokenizer
   from jinfer.weights.gguf_file import load_gguf
+  from jinfer.weights.gguf_quantized import read_gguf_groupwise
+  from jinfer.weights.hf_layout import hf_to_params
   from tests.hf_to_gguf import write_gemma3_as_gguf
   vocab = 400
   torch.manual_seed(0)
@@ -225,6 +227,10 @@ def test_gguf_matches_hf(tmp_path):
   assert config.sliding_windows == (WINDOW,) * 5 + (None, WINDOW)
   worst = _prefill_then_decode(hf, config, params, steps=1)
   assert worst <= 1e-4, f"max abs logit error {worst:.2e}"
+  # quantization="gguf"'s reader (blocks kept quantized, floats as they are) gives the same
+  _, weights = read_gguf_groupwise(file)
+  jax.tree.map(np.testing.assert_array_equal, hf_to_params(config, weights.get, source=file),
+               params)
 
   ours = Tokenizer.from_gguf(file)
   theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path),

@@ -242,7 +242,7 @@ def read_gguf_groupwise(path: str, *, dequantize_unsupported: bool = False
     if all(p.tensor_type in FLOAT_TYPES for p in parts):
       floats[name] = _joined_floats(parts, name, path)
       if offset := stored_norm_offset(arch, name):
-        floats[name] -= np.float32(offset)
+        floats[name] = floats[name] - np.float32(offset)
       return
     bad = next(((p, w) for p in parts if (w := why_not_groupwise(p.tensor_type))), None)
     if bad is None:
