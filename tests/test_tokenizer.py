@@ -9,7 +9,7 @@ import transformers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, processors
 
-from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+from jinfer.tokenizer import IncrementalDetokenizer, NoChatTemplate, Tokenizer
 from jinfer.weights.gguf_file import gguf_value, open_gguf
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -268,3 +268,15 @@ def test_gguf_tables_are_transformers_tables():
   from jinfer import tokenizer
   assert tokenizer._PRE_TOKENIZER_SPLITS == GGUF_PRE_TOKENIZER_SPLITS
   assert tokenizer._bytes_to_unicode() == bytes_to_unicode()
+
+
+def test_no_chat_template_is_refused_naming_the_model_unless_one_is_given():
+  backend = HFTokenizer(models.WordLevel({"hi": 0, "<unk>": 1}, unk_token="<unk>"))
+  tok = Tokenizer(backend, special_tokens={"bos_token": None, "eos_token": None,
+                                           "unk_token": "<unk>", "pad_token": None},
+                  eos_token_ids=(), chat_template=None)
+  tok.name = "gemma-3-270m"
+  chat = [{"role": "user", "content": "hi"}]
+  with pytest.raises(NoChatTemplate, match=r"gemma-3-270m has no chat template.*chat_template="):
+    tok.apply_chat_template(chat)
+  assert tok.apply_chat_template(chat, chat_template="{{ messages[0]['content'] }}") == "hi"
