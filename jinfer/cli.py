@@ -10,6 +10,7 @@ from jinfer import logs
 from jinfer.serving.options import ServerOptions
 from jinfer.serving.tool_parsers import PARSERS
 from jinfer.loader import DEFAULT_MODEL
+from jinfer.tokenizer import NoChatTemplate
 
 
 def _field_help() -> dict[str, str]:
@@ -158,7 +159,10 @@ def cmd_chat(args):
     if not line.strip():
       break
     messages.append({"role": "user", "content": line})
-    prompt = engine.tokenizer.apply_chat_template(messages, tokenize=True)
+    try:
+      prompt = engine.tokenizer.apply_chat_template(messages, tokenize=True)
+    except NoChatTemplate as e:
+      raise SystemExit(f"error: {e} (`jinfer generate` completes text)") from None
     try:
       reply = _stream(engine, prompt, _params(args))
     except ValueError as e:  # e.g. the conversation outgrew max_model_len

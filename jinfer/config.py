@@ -10,7 +10,20 @@ from typing import Any
 import numpy as np
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-                           "qwen3_moe")
+                           "qwen3_moe", "gemma3")
+# HF model types read as one of them: Gemma-3's text stack, alone or nested in a multimodal config.
+_HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# Gemma3TextConfig's defaults (transformers 5): a multimodal checkpoint's `text_config` often
+# lists only the fields that differ from them.
+_GEMMA3_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=4096, tie_word_embeddings=True,
+    bos_token_id=2, eos_token_id=1, hidden_activation="gelu_pytorch_tanh")
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0  # transformers' default for the sliding-window layers
+GEMMA3_GLOBAL_ROPE_THETA = 1_000_000.0
+GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every 6th layer global when a config lists no layer types
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,6 +46,22 @@ class ModelConfig:
   qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k
   # Per-layer sliding window (None = full attention), length num_layers.
   sliding_windows: tuple[int | None, ...] = ()
+  # Gemma-3's local layers rotate with their own rope (`local_rope_theta`, `local_rope_scaling`);
+  # per layer, length num_layers (all False: every layer uses rope_theta / rope_scaling).
+  local_rope: tuple[bool, ...] = ()
+  local_rope_theta: float = 10000.0
+  local_rope_scaling: tuple[tuple[str, Any], ...] | None = None
+  # Gemma: RMSNorm scales by (1 + weight) in float32; the norms after attention and after the
+  # MLP ("sandwich" norms); the embedding times sqrt(hidden_size); attention's sm_scale from
+  # query_pre_attn_scalar (None: head_dim ** -0.5); tanh soft caps on attention scores and on
+  # the final logits (None: none).
+  gemma_norm: bool = False
+  sandwich_norms: bool = False
+  scale_embedding: bool = False
+  query_pre_attn_scalar: float | None = None
+  attn_logit_softcapping: float | None = None
+  final_logit_softcapping: float | None = None
+  hidden_act: str = "silu"  # the gated MLP's activation, one of ACTIVATIONS
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   # Mixture-of-experts (0 experts: a dense model). Routing is softmax then top-k, the top-k
@@ -56,6 +85,13 @@ class ModelConfig:
       object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
     if len(self.sliding_windows) != self.num_layers:
       raise ValueError("sliding_windows must have one entry per layer")
+    if not self.local_rope:
+      object.__setattr__(self, "local_rope", (False,) * self.num_layers)
+    if len(self.local_rope) != self.num_layers:
+      raise ValueError("local_rope must have one entry per layer")
+    if self.hidden_act not in ACTIVATIONS:
+      raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; jinfer supports "
+                       f"{', '.join(ACTIVATIONS)}")
     if not self.moe_layers:
       object.__setattr__(self, "moe_layers", (self.num_experts > 0,) * self.num_layers)
     if len(self.moe_layers) != self.num_layers:
@@ -75,10 +111,20 @@ class ModelConfig:
   def rope_scaling_dict(self) -> dict[str, Any] | None:
     return dict(self.rope_scaling) if self.rope_scaling else None
 
-  def inv_freq(self) -> np.ndarray:  # [head_dim // 2] float64
-    """Rotary inverse frequencies, with HF's scaling rules applied."""
-    inv = 1.0 / (self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
-    sc = self.rope_scaling_dict
+  @property
+  def embed_scale(self) -> float | None:
+    return self.hidden_size ** 0.5 if self.scale_embedding else None
+
+  @property
+  def sm_scale(self) -> float:
+    return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+  def inv_freq(self, local: bool = False) -> np.ndarray:  # [head_dim // 2] float64
+    """Rotary inverse frequencies, with HF's scaling rules applied (`local`: the local layers')."""
+    theta, scaling = ((self.local_rope_theta, self.local_rope_scaling) if local
+                      else (self.rope_theta, self.rope_scaling))
+    inv = 1.0 / (theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+    sc = dict(scaling) if scaling else None
     if sc is None:
       return inv
     kind = sc["rope_type"]
@@ -98,7 +144,11 @@ class ModelConfig:
 
   @classmethod
   def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-    arch = d.get("model_type")
+    if d.get("model_type") == "gemma3" and "text_config" in d:  # multimodal: its text stack
+      d = {"model_type": "gemma3_text", **(d["text_config"] or {})}
+    arch = _HF_MODEL_TYPES.get(d.get("model_type"), d.get("model_type"))
+    if arch == "gemma3":
+      return _gemma3_from_hf(cls, {**_GEMMA3_DEFAULTS, **d}, source)
     if arch not in SUPPORTED_ARCHITECTURES:
       raise ValueError(f"{source}: unsupported architecture model_type={arch!r}; jinfer supports "
                        f"{', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -113,10 +163,7 @@ class ModelConfig:
         rope = dict(d["rope_scaling"])
         if "type" in rope and "rope_type" not in rope:
           rope["rope_type"] = rope.pop("type")
-      kind = rope.get("rope_type", "default")
-      if kind not in ("default", "linear", "llama3"):
-        raise ValueError(f"{source}: unsupported rope_type {kind!r} (supported: default, linear, llama3)")
-      scaling = tuple(sorted(rope.items())) if kind != "default" else None
+      scaling = _rope_scaling(rope, source)
 
       windows: list[int | None] = [None] * num_layers
       window = d.get("sliding_window")
@@ -173,6 +220,82 @@ class ModelConfig:
     except json.JSONDecodeError as e:
       raise ValueError(f"{f}: not valid JSON ({e})") from None
     return cls.from_hf_dict(d, source=f)
+
+
+def _rope_scaling(rope: dict[str, Any], source: str) -> tuple[tuple[str, Any], ...] | None:
+  """ModelConfig's rope_scaling from an HF rope dict (rope_theta removed)."""
+  kind = rope.get("rope_type", "default")
+  if kind not in ("default", "linear", "llama3"):
+    raise ValueError(f"{source}: unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+  return tuple(sorted(rope.items())) if kind != "default" else None
+
+
+def gemma3_layer_types(num_layers: int,
+                       pattern: int = GEMMA3_SLIDING_WINDOW_PATTERN) -> list[str]:
+  """transformers' default Gemma-3 layers: every `pattern`-th one global, the others local."""
+  return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+
+
+def _gemma3_from_hf(cls, d: dict[str, Any], source: str) -> ModelConfig:
+  """Gemma3TextConfig (transformers 5, older files too) -> ModelConfig."""
+  n = d["num_hidden_layers"]
+  types = d.get("layer_types") or gemma3_layer_types(
+      n, d.get("sliding_window_pattern") or GEMMA3_SLIDING_WINDOW_PATTERN)
+  if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+    raise ValueError(f"{source}: layer_types must list 'sliding_attention' or 'full_attention' "
+                     f"for each of the {n} layers")
+  # transformers 5 writes rope_parameters per layer type; older files rope_theta,
+  # rope_local_base_freq and rope_scaling (the global layers').
+  per_type = d.get("rope_parameters") or {}
+  if per_type and not ({"full_attention", "sliding_attention"} & set(per_type)):
+    per_type = {"full_attention": per_type}  # one dict for the global layers
+  glob = dict(per_type.get("full_attention") or {})
+  if not glob and d.get("rope_scaling"):
+    glob = dict(d["rope_scaling"])
+    if "type" in glob and "rope_type" not in glob:
+      glob["rope_type"] = glob.pop("type")
+  local = dict(per_type.get("sliding_attention") or {})
+  theta = float(glob.pop("rope_theta", d.get("rope_theta", GEMMA3_GLOBAL_ROPE_THETA)))
+  local_theta = float(local.pop("rope_theta",
+                                d.get("rope_local_base_freq", GEMMA3_LOCAL_ROPE_THETA)))
+  window = d.get("sliding_window")
+  if d.get("use_bidirectional_attention"):
+    raise ValueError(f"{source}: bidirectional attention (EmbeddingGemma) is not supported")
+  act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+  if act not in ACTIVATIONS:
+    raise ValueError(f"{source}: unsupported hidden_activation {act!r}")
+  eos = d.get("eos_token_id")
+  return cls(
+      architecture="gemma3",
+      vocab_size=d["vocab_size"],
+      hidden_size=d["hidden_size"],
+      intermediate_size=d["intermediate_size"],
+      num_layers=n,
+      num_heads=d["num_attention_heads"],
+      num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+      head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+      rms_norm_eps=d["rms_norm_eps"],
+      rope_theta=theta,
+      rope_scaling=_rope_scaling(glob, source),
+      local_rope=tuple(t == "sliding_attention" for t in types),
+      local_rope_theta=local_theta,
+      local_rope_scaling=_rope_scaling(local, source),
+      max_position_embeddings=d["max_position_embeddings"],
+      tie_word_embeddings=bool(d["tie_word_embeddings"]),
+      attention_bias=bool(d.get("attention_bias", False)),
+      qk_norm=True,
+      sliding_windows=tuple(window if t == "sliding_attention" and window else None
+                            for t in types),
+      bos_token_id=d.get("bos_token_id"),
+      eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+      gemma_norm=True,
+      sandwich_norms=True,
+      scale_embedding=True,
+      query_pre_attn_scalar=d["query_pre_attn_scalar"],
+      attn_logit_softcapping=d.get("attn_logit_softcapping"),
+      final_logit_softcapping=d.get("final_logit_softcapping"),
+      hidden_act=act,
+  )
 
 
 def _hf_moe_fields(arch: str, d: dict[str, Any], num_layers: int, source: str) -> dict[str, Any]:

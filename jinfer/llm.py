@@ -103,12 +103,13 @@ class LLM:
 
   def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
            sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,
-           **template_kwargs: Any) -> list[RequestOutput]:
-    """One conversation (a list of messages) or several; the chat template ends each with the
-    assistant's turn."""
+           chat_template: str | None = None, **template_kwargs: Any) -> list[RequestOutput]:
+    """One conversation (a list of messages) or several; the chat template (the model's, or
+    `chat_template`) ends each with the assistant's turn."""
     convs = [messages] if messages and isinstance(messages[0], dict) else messages
     prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                                  **template_kwargs) for c in convs]
+                                                  chat_template=chat_template, **template_kwargs)
+               for c in convs]
     return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 

@@ -30,8 +30,17 @@ def load_model(model: str, dtype=jnp.float32, *, load_tokenizer: bool = True,
   dequantized to `dtype`. A directory jinfer saved a quantized model into
   (`jinfer/weights/quantized_checkpoint.py`) loads its params as saved, the config and tokenizer
   from the model they came from. `config_only`: no params (None)."""
+  name = model
   if is_builtin(model):
     model = builtin_path(model)
+  config, params, tokenizer = _load(model, dtype, load_tokenizer, keep_gguf_quantized, config_only)
+  if tokenizer is not None and tokenizer.name is None:
+    tokenizer.name = name
+  return config, params, tokenizer
+
+
+def _load(model: str, dtype, load_tokenizer: bool, keep_gguf_quantized: bool,
+          config_only: bool) -> tuple[ModelConfig, dict | None, Tokenizer | None]:
   if os.path.isfile(model) and model.endswith(".gguf"):
     if config_only:
       config, params = gguf_config(open_gguf(model), model), None

@@ -1,11 +1,17 @@
 """Tokenizers: HF `tokenizers` from tokenizer.json or rebuilt from GGUF metadata, jinja2 chat
 templates rendered the way transformers renders them, and streaming detokenization.
 
-`from_gguf` rebuilds the byte-level BPE tokenizer exactly as transformers does for
+`from_gguf` rebuilds the tokenizer exactly as transformers does for
 `AutoTokenizer.from_pretrained(dir, gguf_file=...)` (transformers/integrations/gguf/
-gguf_tokenizer_mapping.py): vocabulary respelled into the byte alphabet, GPT-2 style BPE, the
-split regex picked by `tokenizer.ggml.pre` (GPT-2's own when the name is not listed, e.g.
-SmolLM2's "smollm"), control tokens added as special, user-defined tokens as plain added tokens.
+gguf_tokenizer_mapping.py), control tokens added as special, user-defined tokens as plain added
+tokens:
+  * "gpt2": byte-level BPE, the vocabulary respelled into the byte alphabet, the split regex
+    picked by `tokenizer.ggml.pre` (GPT-2's own when the name is not listed, e.g. SmolLM2's
+    "smollm");
+  * "llama" (SentencePiece) in a Gemma file: the file has tokens and scores but no merges.
+    Gemma's SentencePiece model is BPE with byte fallback; its merges are rebuilt from the
+    vocabulary (every split of a token into two tokens), ranked by the merged token's place in
+    the file, spaces spelled "▁" by a normalizer, no prefix space.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import jinja2
 import jinja2.ext
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from jinfer.weights.gguf_file import gguf_value, open_gguf
@@ -69,6 +75,65 @@ def _bytes_to_unicode() -> dict[int, str]:
       cs.append(256 + n)
       n += 1
   return dict(zip(bs, map(chr, cs)))
+
+
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+
+
+def _byte_level_bpe(reader, tokens: list[str], types: list[int],
+                    path: str) -> tuple[HFTokenizer, dict[str, int]]:
+  """A "gpt2" file's tokenizer with its control tokens added, and its vocabulary."""
+  merges: list[str] | None = gguf_value(reader, "tokenizer.ggml.merges")
+  if not merges:
+    raise ValueError(f"{path}: no tokenizer.ggml.merges metadata")
+  spelling = _bytes_to_unicode()
+  alphabet = set(spelling.values())
+  # Tokens outside the byte alphabet (some files store added tokens as raw text) are respelled.
+  vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+           for i, t in enumerate(tokens)}
+  backend = HFTokenizer(models.BPE(
+      vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
+      continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+  split = _PRE_TOKENIZER_SPLITS.get(gguf_value(reader, "tokenizer.ggml.pre"))
+  if split is None:
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  else:
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  backend.decoder = decoders.ByteLevel()
+  # A control token spelled outside the byte alphabet is a llama.cpp mislabel; transformers
+  # skips it, so the vocabulary keeps the size the model expects.
+  backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                              for t, k in zip(tokens, types)
+                              if k == _CONTROL and set(t) <= alphabet])
+  return backend, vocab
+
+
+def _gemma_sentencepiece(tokens: list[str]) -> tuple[HFTokenizer, dict[str, int]]:
+  """Gemma's SentencePiece BPE from a GGUF vocabulary (transformers' `gemma_tokenizer`).
+
+  Tokens of two or more spaces are stored as spaces but looked up as "▁"s, so they are respelled
+  first. Merges: every split of a token into two vocabulary tokens, ranked by the merged token's
+  position in the file (Gemma's scores do not follow its merge order), then longer left parts.
+  """
+  spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+  vocab = {t: i for i, t in enumerate(spelled)}
+  merges = []
+  for token, rank in vocab.items():
+    pairs = [(token[:j], token[j:]) for j in range(1, len(token))
+             if token[:j] in vocab and token[j:] in vocab]
+    pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+    merges.extend((rank, -len(left), -len(right), left, right) for left, right in pairs)
+  merges.sort(key=lambda m: m[:3])  # a stable sort: ties keep the order they were found in
+  backend = HFTokenizer(models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges],
+                                   dropout=None, unk_token="<unk>", fuse_unk=True,
+                                   byte_fallback=True))
+  backend.normalizer = normalizers.Replace(" ", "\u2581")
+  backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+  backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                       decoders.Fuse()])
+  return backend, vocab
 
 
 def _bos_eos_post_processor(bos: tuple[str, int] | None,
@@ -125,42 +190,27 @@ class Tokenizer:
     self._eos_token_ids = eos_token_ids
     self._chat_template = chat_template
     self._compiled: jinja2.Template | None = None
+    self.name: str | None = None  # the model it was loaded with, for messages
 
   @classmethod
   def from_gguf(cls, path: str) -> "Tokenizer":
     reader = open_gguf(path)
     kind = gguf_value(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-      raise ValueError(f"{path}: tokenizer.ggml.model={kind!r} is not supported; jinfer builds "
-                       f"byte-level BPE ('gpt2') tokenizers from GGUF metadata")
+    arch = gguf_value(reader, "general.architecture")
     tokens: list[str] = gguf_value(reader, "tokenizer.ggml.tokens")
-    merges: list[str] | None = gguf_value(reader, "tokenizer.ggml.merges")
-    if not tokens or not merges:
-      raise ValueError(f"{path}: no tokenizer.ggml.tokens / tokenizer.ggml.merges metadata")
+    if not tokens:
+      raise ValueError(f"{path}: no tokenizer.ggml.tokens metadata")
     types: list[int] = gguf_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
-    # Tokens outside the byte alphabet (some files store added tokens as raw text) are respelled.
-    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
-             for i, t in enumerate(tokens)}
-    backend = HFTokenizer(models.BPE(
-        vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
-        continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
-    split = _PRE_TOKENIZER_SPLITS.get(gguf_value(reader, "tokenizer.ggml.pre"))
-    if split is None:
-      backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if kind == "gpt2":
+      backend, vocab = _byte_level_bpe(reader, tokens, types, path)
+    elif kind == "llama" and arch in _GEMMA_ARCHITECTURES:
+      backend, vocab = _gemma_sentencepiece(tokens)
+      backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                  for t, k in zip(tokens, types) if k == _CONTROL])
     else:
-      backend.pre_tokenizer = pre_tokenizers.Sequence([
-          pre_tokenizers.Split(Regex(split), behavior="isolated"),
-          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    backend.decoder = decoders.ByteLevel()
-
-    # A control token spelled outside the byte alphabet is a llama.cpp mislabel; transformers
-    # skips it, so the vocabulary keeps the size the model expects.
-    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                for t, k in zip(tokens, types)
-                                if k == _CONTROL and set(t) <= alphabet])
+      raise ValueError(f"{path}: tokenizer.ggml.model={kind!r} (architecture {arch!r}) is not "
+                       f"supported; jinfer builds byte-level BPE ('gpt2') tokenizers, and "
+                       f"SentencePiece ('llama') ones of Gemma files, from GGUF metadata")
     backend.add_tokens([AddedToken(t, normalized=False, special=False)
                         for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab])
 
@@ -175,7 +225,8 @@ class Tokenizer:
             i for k in ("eos", "eot", "eom")
             if (i := gguf_value(reader, f"tokenizer.ggml.{k}_token_id")) is not None],
         chat_template=gguf_value(reader, "tokenizer.chat_template"))
-    add_bos = gguf_value(reader, "tokenizer.ggml.add_bos_token", False)
+    # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise.
+    add_bos = gguf_value(reader, "tokenizer.ggml.add_bos_token", kind == "llama")
     add_eos = gguf_value(reader, "tokenizer.ggml.add_eos_token", False)
     bos, eos = special["bos_token"], special["eos_token"]
     backend.post_processor = _bos_eos_post_processor(
@@ -272,16 +323,25 @@ class Tokenizer:
     return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
   def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                          tokenize: bool = False, **kwargs) -> str | list[int]:
-    """Render `messages` with the chat template, as transformers' `apply_chat_template` does.
+                          tokenize: bool = False, chat_template: str | None = None,
+                          **kwargs) -> str | list[int]:
+    """Render `messages` with the chat template (`chat_template`: this one instead), as
+    transformers' `apply_chat_template` does.
 
     `kwargs` reach the template as variables (tools, documents, enable_thinking, ...) and
     override the special token strings it also sees.
     """
-    if self._chat_template is None:
-      raise ValueError("this tokenizer has no chat template")
-    if self._compiled is None:
-      self._compiled = _chat_template_env().from_string(self._chat_template)
+    if chat_template is not None:
+      compiled = _chat_template_env().from_string(chat_template)
+    elif self._chat_template is None:
+      raise NoChatTemplate(
+          f"{self.name or 'this model'} has no chat template: it is a base model that completes "
+          f"text (use generate / the completions API). To chat with it anyway, give a chat "
+          f"template (chat_template=..., a Jinja string as transformers takes it).")
+    else:
+      if self._compiled is None:
+        self._compiled = _chat_template_env().from_string(self._chat_template)
+      compiled = self._compiled
     # transformers drops None-valued keys (templates handle a missing key, not a literal None)
     # and passes a message's reasoning under every name templates read it by.
     chat = [{k: v for k, v in m.items() if v is not None} for m in messages]
@@ -291,9 +351,12 @@ class Tokenizer:
         chat[i] = {"thinking": reasoning, **m, "reasoning_content": reasoning}
     context = {k: v for k, v in self._special_tokens.items() if v is not None}
     context |= {"tools": None, "documents": None} | kwargs
-    text = self._compiled.render(messages=chat, add_generation_prompt=add_generation_prompt,
-                                 **context)
+    text = compiled.render(messages=chat, add_generation_prompt=add_generation_prompt, **context)
     return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+class NoChatTemplate(ValueError):
+  """A chat was asked of a tokenizer without a chat template, and none was given."""
 
 
 def _read_json(file: str) -> dict:

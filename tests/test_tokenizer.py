@@ -9,7 +9,7 @@ import transformers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, processors
 
-from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+from jinfer.tokenizer import IncrementalDetokenizer, NoChatTemplate, Tokenizer
 from jinfer.weights.gguf_file import gguf_value, open_gguf
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -246,6 +246,8 @@ def test_gguf_without_merges_is_rejected(tmp_path):
 
 
 def test_gguf_sentencepiece_tokenizer_is_rejected(tmp_path):
+  """SentencePiece vocabularies are built for Gemma files only (Llama 2's needs another
+  normalizer)."""
   path = str(tmp_path / "spm.gguf")
   w = gguf.GGUFWriter(path, "llama")
   w.add_tokenizer_model("llama")
@@ -254,7 +256,8 @@ def test_gguf_sentencepiece_tokenizer_is_rejected(tmp_path):
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-  with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model='llama' is not supported"):
+  with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model='llama' \(architecture "
+                                       r"'llama'\) is not supported"):
     Tokenizer.from_gguf(path)
 
 
@@ -265,3 +268,15 @@ def test_gguf_tables_are_transformers_tables():
   from jinfer import tokenizer
   assert tokenizer._PRE_TOKENIZER_SPLITS == GGUF_PRE_TOKENIZER_SPLITS
   assert tokenizer._bytes_to_unicode() == bytes_to_unicode()
+
+
+def test_no_chat_template_is_refused_naming_the_model_unless_one_is_given():
+  backend = HFTokenizer(models.WordLevel({"hi": 0, "<unk>": 1}, unk_token="<unk>"))
+  tok = Tokenizer(backend, special_tokens={"bos_token": None, "eos_token": None,
+                                           "unk_token": "<unk>", "pad_token": None},
+                  eos_token_ids=(), chat_template=None)
+  tok.name = "gemma-3-270m"
+  chat = [{"role": "user", "content": "hi"}]
+  with pytest.raises(NoChatTemplate, match=r"gemma-3-270m has no chat template.*chat_template="):
+    tok.apply_chat_template(chat)
+  assert tok.apply_chat_template(chat, chat_template="{{ messages[0]['content'] }}") == "hi"

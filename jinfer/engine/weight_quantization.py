@@ -115,7 +115,9 @@ def quantize_weights(config: ModelConfig, params: dict, quantization: str | None
   calibrates = ((quantization == "w8a8" and options["smoothquant"])
                 or (quantization == "int4" and options["method"] != "rtn"))
   tokens = calibration_tokens(_calibration(tokenizer)) if calibrates else None
-  calibrate = lambda: dict(model=CausalLM(config), calibration=tokens)
+  # Gemma's norms scale by 1 + their param: scales fold into that.
+  calibrate = lambda: dict(model=CausalLM(config), calibration=tokens,
+                           norm_offset=1.0 if config.gemma_norm else 0.0)
 
   def run(params):
     if quantization == "w8a8" and options["smoothquant"]:

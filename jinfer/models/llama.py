@@ -1,10 +1,13 @@
-"""Decoder-only Llama family in flax.linen: Llama 2/3/3.1, Mistral, Qwen2, Qwen3, and the
-mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""Decoder-only Llama family in flax.linen: Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Gemma-3's
+text stack, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE.
 
-The differences are config switches: q/k/v biases (Qwen2), q/k RMSNorm (Qwen3), per-layer
-sliding windows (Mistral, Qwen2), rope scaling (Llama 3.1), tied embeddings, GQA/MQA by head
-counts, MoE feed-forward layers (`jinfer/models/moe.py`). Per-layer differences (a layer's
-window, whether its feed-forward is dense or MoE) are scanned values, never Python branches.
+The differences are config switches: q/k/v biases (Qwen2), q/k RMSNorm (Qwen3, Gemma-3),
+per-layer sliding windows (Mistral, Qwen2, Gemma-3), rope scaling (Llama 3.1), tied embeddings,
+GQA/MQA by head counts, MoE feed-forward layers (`jinfer/models/moe.py`), and Gemma's own: a
+(1 + weight) RMSNorm, norms after attention and after the MLP, a scaled embedding, GeGLU,
+`query_pre_attn_scalar`, soft caps, and a second rope for the local layers. Per-layer
+differences (a layer's window, its rope, whether its feed-forward is dense or MoE) are scanned
+values, never Python branches.
 
 The layer stack has one params layout: every per-layer param stacked on a leading `layers` axis
 (`params["layers"]`). It runs two ways over it:
@@ -111,13 +114,26 @@ class RMSNorm(nn.Module):
   dim: int
   eps: float
   dtype: Any = jnp.float32
+  gemma: bool = False  # scale by (1 + weight), in float32 before the cast (Gemma's RMSNorm)
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    scale = _param(self, "scale", (self.dim,), ("norm",), self.dtype, nn.initializers.ones)
+    scale = _param(self, "scale", (self.dim,), ("norm",), self.dtype,
+                   nn.initializers.zeros if self.gemma else nn.initializers.ones)
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    if self.gemma:
+      return (xf * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
     return scale.astype(x.dtype) * xf.astype(x.dtype)  # HF casts before scaling
+
+
+def _norm(config: ModelConfig, dtype, name: str, dim: int | None = None) -> RMSNorm:
+  return RMSNorm(dim or config.hidden_size, config.rms_norm_eps, dtype, gemma=config.gemma_norm,
+                 name=name)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+  return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -132,6 +148,8 @@ class LayerInputs:
   """What differs from one layer to the next besides its params (scanned over)."""
   index: jax.Array  # [] int32: the layer's slot in the KV cache
   window: jax.Array | None  # [] int32 sliding window (NO_WINDOW: none); None: no layer has one
+  # [] int32: which rope table the layer rotates with (1: the local one); None: one table.
+  rope: jax.Array | None = None
   # When dense and MoE layers mix (else None): [] bool, an MoE layer; [] int32, the layer's slot
   # in its kind's stack (`moe_layers` or `mlp_layers`).
   moe: jax.Array | None = None
@@ -154,11 +172,14 @@ class Attention(nn.Module):
     v = Linear((e, hkv, d), ("embed", "kv_heads", "head_dim"), kn, use_bias=c.attention_bias,
                dtype=self.dtype, name="v_proj")(x)  # [T, Hkv, D]
     if c.qk_norm:
-      q = RMSNorm(d, c.rms_norm_eps, self.dtype, name="q_norm")(q)
-      k = RMSNorm(d, c.rms_norm_eps, self.dtype, name="k_norm")(k)
+      q = _norm(c, self.dtype, "q_norm", d)(q)
+      k = _norm(c, self.dtype, "k_norm", d)(k)
+    if layer.rope is not None:  # [R, T, D] tables: this layer's
+      cos, sin = cos[layer.rope], sin[layer.rope]
     q, k = rope(q, cos, sin), rope(k, cos, sin)
     o, kv_cache = paged_attention(q, k, v, kv_cache, md, layer=layer.index,
-                                  sliding_window=layer.window, sm_scale=d ** -0.5,
+                                  sliding_window=layer.window, sm_scale=c.sm_scale,
+                                  soft_cap=c.attn_logit_softcapping,
                                   backend=kn.attention, interpret=kn.interpret, mesh=kn.mesh,
                                   context_layout=kn.context_layout)
     out = Linear((hq, d, e), ("q_heads", "head_dim", "embed"), kn, n_in=2, dtype=self.dtype,
@@ -177,8 +198,10 @@ class MLP(nn.Module):
     e, f, kn = self.config.hidden_size, self.features or self.config.intermediate_size, self.kernels
     gate = Linear((e, f), ("embed", "mlp"), kn, dtype=self.dtype, name="gate_proj")(x)
     up = Linear((e, f), ("embed", "mlp"), kn, dtype=self.dtype, name="up_proj")(x)
+    act = nn.silu if self.config.hidden_act == "silu" else functools.partial(
+        nn.gelu, approximate=True)  # gelu_pytorch_tanh
     return Linear((f, e), ("mlp", "embed"), kn, dtype=self.dtype,
-                  name="down_proj")(nn.silu(gate) * up)
+                  name="down_proj")(act(gate) * up)
 
 
 def _moe(config: ModelConfig, kernels: KernelOptions, dtype, **kw) -> MoE:
@@ -199,10 +222,13 @@ class DecoderLayer(nn.Module):
     x, kv_cache = carry  # [T, E], the whole cache
     c, kn = self.config, self.kernels
     h, kv_cache = Attention(c, kn, self.dtype, name="attn")(
-        RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="input_norm")(x), cos, sin,
-        kv_cache, md, layer)
+        _norm(c, self.dtype, "input_norm")(x), cos, sin, kv_cache, md, layer)
+    if c.sandwich_norms:
+      h = _norm(c, self.dtype, "attn_out_norm")(h)
     x = x + h
-    y = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="post_attn_norm")(x)
+    # The norm before the feed-forward (HF's post_attention_layernorm, Gemma's
+    # pre_feedforward_layernorm).
+    y = _norm(c, self.dtype, "post_attn_norm")(x)
     load = None
     if ffn_stacks is not None:  # dense and MoE layers mix: this layer's own from its kind's stack
       own = lambda stack: jax.tree.map(lambda a: a[layer.ffn_index], stack)
@@ -215,6 +241,8 @@ class DecoderLayer(nn.Module):
       y, load = _moe(c, kn, self.dtype, name="moe")(y, live)
     else:
       y = MLP(c, kn, self.dtype, name="mlp")(y)
+    if c.sandwich_norms:
+      y = _norm(c, self.dtype, "ffn_out_norm")(y)
     return (x + y, kv_cache), load
 
 
@@ -238,6 +266,7 @@ def _layer_inputs(config: ModelConfig) -> LayerInputs:  # each field [L]
       index=jnp.arange(config.num_layers, dtype=jnp.int32),
       window=None if all(w is None for w in windows) else jnp.asarray(
           [NO_WINDOW if w is None else w for w in windows], jnp.int32),
+      rope=jnp.asarray(config.local_rope, jnp.int32) if any(config.local_rope) else None,
       moe=jnp.asarray(moe) if mixed else None,
       # The i-th layer of a kind is slot i of that kind's stack.
       ffn_index=jnp.asarray(np.where(moe, np.cumsum(moe), np.cumsum(~moe)) - 1, jnp.int32)
@@ -289,11 +318,15 @@ class CausalLM(nn.Module):
       x = embed.dequantize_columns(token_ids).T.astype(self.dtype)  # [T, E]
     else:
       x = embed[token_ids]  # [T, E]
-    inv_freq = jnp.asarray(c.inv_freq(), jnp.float32)  # [D/2]
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
-    cos, sin = jnp.cos(emb).astype(self.dtype), jnp.sin(emb).astype(self.dtype)
+    if c.embed_scale is not None:  # rounded to the dtype first, as transformers does
+      x = x * jnp.asarray(c.embed_scale, self.dtype)
     layers = _layer_inputs(c)
+    # [T, D], or [2, T, D] (global, local) when some layers rotate with the local rope
+    inv_freq = jnp.asarray(np.stack([c.inv_freq(), c.inv_freq(local=True)])
+                           if layers.rope is not None else c.inv_freq(), jnp.float32)
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[..., None, :]  # [..., T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [..., T, D]
+    cos, sin = jnp.cos(emb).astype(self.dtype), jnp.sin(emb).astype(self.dtype)
     live = jnp.arange(token_ids.shape[0]) < md.cu_q_lens[md.num_seqs[0]]  # [T]: not padding
     ffn_stacks = None
     if _mixed_ffn(c):
@@ -324,7 +357,7 @@ class CausalLM(nn.Module):
       loads = jnp.stack(loads) if any(c.moe_layers) else None
     if loads is not None:  # [L, experts] -> the MoE layers' rows
       self.sow("expert_load", "tokens_per_expert", loads[np.asarray(c.moe_layer_ids)])
-    x = RMSNorm(c.hidden_size, c.rms_norm_eps, self.dtype, name="norm")(x)
+    x = _norm(c, self.dtype, "norm")(x)
     if logits_indices is not None:
       x = x[logits_indices]  # [S, E]
     if c.tie_word_embeddings:
@@ -332,7 +365,8 @@ class CausalLM(nn.Module):
     else:
       logits = Linear((c.hidden_size, c.vocab_size), ("embed", "vocab"), self.kernels,
                       dtype=self.dtype, name="lm_head")(x)
-    return logits.astype(jnp.float32), (x if return_hidden else None), kv_cache
+    logits = soft_cap(logits.astype(jnp.float32), c.final_logit_softcapping)
+    return logits, (x if return_hidden else None), kv_cache
 
 
 def _groupwise(x: jax.Array, w: GroupwiseArray, kernels: KernelOptions) -> jax.Array:
@@ -356,9 +390,11 @@ def lm_head(params: dict, config: ModelConfig, kernels: KernelOptions, x: jax.Ar
   """The model's LM head outside the model: final hidden states x [N, E] -> logits [N, V]
   (Medusa's shared heads project through it)."""
   if config.tie_word_embeddings:
-    return _tied_head(x, params["embedding"], kernels)
-  return Linear((config.hidden_size, config.vocab_size), ("embed", "vocab"), kernels,
-                dtype=x.dtype).apply({"params": params["lm_head"]}, x)
+    logits = _tied_head(x, params["embedding"], kernels)
+  else:
+    logits = Linear((config.hidden_size, config.vocab_size), ("embed", "vocab"), kernels,
+                    dtype=x.dtype).apply({"params": params["lm_head"]}, x)
+  return soft_cap(logits, config.final_logit_softcapping)
 
 
 def _embedding_init(kernels: KernelOptions, key, shape, dtype):

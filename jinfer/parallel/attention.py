@@ -41,6 +41,7 @@ def paged_attention(
     layer: jax.Array,
     sliding_window: jax.Array | None,
     sm_scale: float,
+    soft_cap: float | None = None,
     backend: str,
     interpret: bool,
     mesh: Mesh | None = None,
@@ -48,8 +49,8 @@ def paged_attention(
 ) -> tuple[jax.Array, jax.Array]:  # o [T, Hq, D], kv_cache
   """Write this step's K/V into the cache and attend the queries to it."""
   attend = lambda q, cache, md, layer, window: ragged_paged_attention(
-      q, cache, md, layer=layer, sm_scale=sm_scale, sliding_window=window, backend=backend,
-      interpret=interpret, return_softmax_state=True)
+      q, cache, md, layer=layer, sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap,
+      backend=backend, interpret=interpret, return_softmax_state=True)
   if mesh is None:
     kv_cache = write_kv(kv_cache, layer, k, v, md.slot_mapping)
     return attend(q, kv_cache, md, layer, sliding_window)[0], kv_cache

@@ -107,9 +107,13 @@ def group_kernel(stack: dict, kernels: dict, group: ScaleGroup) -> jax.Array:
                           for p in group.linears], axis=-1)
 
 
-def fold(stack: dict, kernels: dict, group: ScaleGroup, s: jax.Array) -> dict:
+def fold(stack: dict, kernels: dict, group: ScaleGroup, s: jax.Array,
+         norm_offset: float = 0.0) -> dict:
   """The layer stack with scales s [layers, K] folded in: the group's kernels' rows times s, the
-  source's outputs divided by s. The float model computes the same function."""
+  source's outputs divided by s. The float model computes the same function.
+
+  norm_offset: what a norm adds to its `scale` param before scaling (Gemma's RMSNorm
+  multiplies by 1 + scale: 1)."""
   src = get(stack, group.source)
   if "kernel" in src:
     w = get(stack, group.source + ("kernel",))
@@ -121,7 +125,8 @@ def fold(stack: dict, kernels: dict, group: ScaleGroup, s: jax.Array) -> dict:
     stack = replace(stack, group.source, new)
   else:
     scale = src["scale"]  # [L, K]
-    stack = replace(stack, group.source + ("scale",), (scale / s).astype(scale.dtype))
+    stack = replace(stack, group.source + ("scale",),
+                    ((scale + norm_offset) / s - norm_offset).astype(scale.dtype))
   for p in group.linears:
     w = get(stack, p + ("kernel",))
     flat = flat_kernel(w, get(kernels, p + ("kernel",)))  # [L, K, N]

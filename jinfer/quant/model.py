@@ -79,7 +79,7 @@ def _calibrate(params, model, kernels, calibration, verbose, **kw):
 
 def apply_awq(params: dict, kernels: dict, stats: dict[tuple[str, ...], LinearStats], *,
               group_size: int, sym: bool, clip: bool = True, n_grid: int = 20,
-              verbose: bool = True) -> dict:
+              norm_offset: float = 0.0, verbose: bool = True) -> dict:
   """AWQ's scales searched and folded into every scale group of the layer stack, then (`clip`)
   each kernel's clipping search. Returns float params (the same function as before, but for the
   clipping) ready for `quantize_rtn`."""
@@ -92,7 +92,7 @@ def apply_awq(params: dict, kernels: dict, stats: dict[tuple[str, ...], LinearSt
     g = group_size_for(w.shape[-2], group_size)
     s, losses = awq.search_scales(jnp.asarray(st.rows), jnp.asarray(st.abs_mean), w,
                                   group_size=g, sym=sym, n_grid=n_grid)
-    stack = folding.fold(stack, kst, grp, s)
+    stack = folding.fold(stack, kst, grp, s, norm_offset)
     for p in grp.linears:
       in_scale[p] = s
     if verbose:
@@ -125,7 +125,7 @@ def quantize_model(params: dict, kernels: dict, *, method: str = "rtn", model=No
                    sym: bool = False, act_order: bool = True, percdamp: float = 0.1,
                    clip: bool = True,
                    n_grid: int = 20, rows: int = 512, seq_len: int = 512,
-                   verbose: bool = True) -> dict:
+                   norm_offset: float = 0.0, verbose: bool = True) -> dict:
   """Params with every stacked linear kernel replaced by a `GroupwiseArray` (4-bit, groups of
   `group_size` along K; see the module docstring for K it does not divide).
 
@@ -139,6 +139,7 @@ def quantize_model(params: dict, kernels: dict, *, method: str = "rtn", model=No
   stats: `calibrate`'s statistics of these params (with `xtx` for GPTQ, `rows` for AWQ) instead
     of model and calibration: one calibration run serves several quantizations.
   rows: calibration rows AWQ's searches measure on; seq_len: calibration sequence length.
+  norm_offset: what the model's norms add to their scale (`folding.fold`).
 
   GPTQ's damping is 0.1, not AutoGPTQ's default 0.01 (GPTQModel's is 0.05; 0.1 is what most
   published GPTQ checkpoints used, "slightly better accuracy"): the shipped text's ~2.6k tokens
@@ -159,7 +160,7 @@ def quantize_model(params: dict, kernels: dict, *, method: str = "rtn", model=No
     raise ValueError(f"{method} needs calibration statistics with `{need}`")
   if method == "awq":
     params = apply_awq(params, kernels, stats, group_size=group_size, sym=sym, clip=clip,
-                       n_grid=n_grid, verbose=verbose)
+                       n_grid=n_grid, norm_offset=norm_offset, verbose=verbose)
   out = params
   for path, decl in _stacked_kernels(params, kernels):
     t = time.perf_counter()
@@ -186,7 +187,7 @@ def smooth_model(params: dict, kernels: dict, *, model=None,
                  stats: dict[tuple[str, ...], LinearStats] | None = None, alpha: float = 0.7,
                  gptq: bool = True, percdamp: float = GPTQ_INT8_DAMP,
                  store_kernels: dict | None = None, seq_len: int = 512,
-                 verbose: bool = True) -> dict:
+                 norm_offset: float = 0.0, verbose: bool = True) -> dict:
   """SmoothQuant: float params with each scale group's smoothing scales folded in (the same
   function as before), for W8A8 (`qarray.quantize_params` quantizes them as usual).
 
@@ -207,7 +208,7 @@ def smooth_model(params: dict, kernels: dict, *, model=None,
   for grp in folding.layer_groups(stack, kst):
     s = smoothquant.smooth_scales(jnp.asarray(stats[(STACK,) + grp.linears[0]].abs_max),
                                   folding.group_kernel(stack, kst, grp), alpha)
-    stack = folding.fold(stack, kst, grp, s)
+    stack = folding.fold(stack, kst, grp, s, norm_offset)
   out = {**params, STACK: stack}
   if gptq:
     rounded = _calibrate(out, model, kernels, calibration, verbose, seq_len=seq_len, xtx="w8a8")

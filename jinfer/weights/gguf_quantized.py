@@ -38,7 +38,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from jinfer.config import ModelConfig
 from jinfer.weights.gguf_file import (_EXPERTS, _dequantized, _unpermute_rope, gguf_config,
-                                      gguf_to_hf_name, gguf_value, open_gguf)
+                                      gguf_to_hf_name, gguf_value, open_gguf,
+                                      stored_norm_offset)
 from jinfer.weights.gguf_reader import GGUFTensor
 from jinfer.weights.groupwise_tensor import GroupwiseTensor, GroupwiseWeights, concat_columns
 from jinfer.weights.hf_layout import WeightError
@@ -230,7 +231,8 @@ def read_gguf_groupwise(path: str, *, dequantize_unsupported: bool = False
   reader = open_gguf(path)
   config = gguf_config(reader, path)
   # llama.cpp permutes Q/K rows only for its llama architecture (see gguf_file.load_gguf).
-  permute = gguf_value(reader, "general.architecture") == "llama"
+  arch = gguf_value(reader, "general.architecture")
+  permute = arch == "llama"
   linears: dict[str, GroupwiseTensor] = {}
   floats: dict[str, np.ndarray] = {}
   dequantized: dict[str, str] = {}
@@ -239,6 +241,8 @@ def read_gguf_groupwise(path: str, *, dequantize_unsupported: bool = False
     """Store HF tensor `name`, made of GGUF `parts` joined along the output dimension."""
     if all(p.tensor_type in FLOAT_TYPES for p in parts):
       floats[name] = _joined_floats(parts, name, path)
+      if offset := stored_norm_offset(arch, name):
+        floats[name] = floats[name] - np.float32(offset)
       return
     bad = next(((p, w) for p in parts if (w := why_not_groupwise(p.tensor_type))), None)
     if bad is None:
@@ -262,7 +266,7 @@ def read_gguf_groupwise(path: str, *, dequantize_unsupported: bool = False
     if m := _EXPERT_RE.fullmatch(t.name):
       experts.setdefault(int(m[1]), {})[m[2]] = t
       continue
-    name = gguf_to_hf_name(t.name)
+    name = gguf_to_hf_name(t.name, arch)
     if name is None:
       continue  # e.g. rope_freqs: already part of the config
     is_q, is_k = ".self_attn.q_proj." in name, ".self_attn.k_proj." in name

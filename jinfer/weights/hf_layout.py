@@ -58,9 +58,16 @@ def hf_to_params(config: ModelConfig, get: Callable[[str], np.ndarray], *, dtype
         for path, hf, shape, to in tensors]
 
   proj = lambda heads: lambda w: w.T.reshape(e, heads, d)  # HF [heads*D, E] -> [E, heads, D]
-  layer_tensors = [
-      (("input_norm", "scale"), "input_layernorm.weight", (e,), None),
-      (("post_attn_norm", "scale"), "post_attention_layernorm.weight", (e,), None),
+  layer_tensors = [(("input_norm", "scale"), "input_layernorm.weight", (e,), None)]
+  if c.sandwich_norms:  # Gemma: post_attention_layernorm normalizes attention's output
+    layer_tensors += [
+        (("attn_out_norm", "scale"), "post_attention_layernorm.weight", (e,), None),
+        (("post_attn_norm", "scale"), "pre_feedforward_layernorm.weight", (e,), None),
+        (("ffn_out_norm", "scale"), "post_feedforward_layernorm.weight", (e,), None)]
+  else:
+    layer_tensors.append((("post_attn_norm", "scale"), "post_attention_layernorm.weight", (e,),
+                          None))
+  layer_tensors += [
       (("attn", "q_proj", "kernel"), "self_attn.q_proj.weight", (hq * d, e), proj(hq)),
       (("attn", "k_proj", "kernel"), "self_attn.k_proj.weight", (hkv * d, e), proj(hkv)),
       (("attn", "v_proj", "kernel"), "self_attn.v_proj.weight", (hkv * d, e), proj(hkv)),

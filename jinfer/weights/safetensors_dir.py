@@ -44,11 +44,20 @@ def _open(file: str):
     raise WeightError(f"{file}: unreadable safetensors file ({e})") from None
 
 
+def _text_stack_names(name: str) -> tuple[str, ...]:
+  """Where a multimodal checkpoint (Gemma-3) keeps the text model's `model.X`: transformers 5
+  saves `model.language_model.X`, older files `language_model.model.X`."""
+  rest = name.removeprefix("model.")
+  return (f"model.language_model.{rest}", f"language_model.model.{rest}")
+
+
 def load_safetensors_dir(path: str, config: ModelConfig, dtype=jnp.float32) -> dict:
   files = _tensor_files(path)
   handles: dict[str, object] = {}
 
   def get(name: str) -> np.ndarray:
+    if name not in files and name.startswith("model."):  # a multimodal checkpoint's text stack
+      name = next((n for n in _text_stack_names(name) if n in files), name)
     file = files[name]  # KeyError -> "missing tensor"
     if file not in handles:
       handles[file] = _open(file)

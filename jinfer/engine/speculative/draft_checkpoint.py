@@ -30,10 +30,11 @@ def is_draft_checkpoint(path: str) -> bool:
 
 
 def draft_config(target: ModelConfig, num_layers: int) -> ModelConfig:
-  """The target's architecture with `num_layers` layers (their sliding windows and MoE kinds,
-  if any, from the first layers)."""
+  """The target's architecture with `num_layers` layers (their sliding windows, ropes and MoE
+  kinds, if any, from the first layers)."""
   return dataclasses.replace(target, num_layers=num_layers,
                              sliding_windows=target.sliding_windows[:num_layers],
+                             local_rope=target.local_rope[:num_layers],
                              moe_layers=target.moe_layers[:num_layers])
 
 
