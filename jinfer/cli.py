@@ -295,8 +295,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
     # generate and chat run one LLMEngine (no data-parallel front end); `--seed` above seeds
-    # the request.
-    _add_engine_args(p, skip=("seed", "data_parallel_size"))
+    # the request. One sequence at a time: the KV pool holds one (by default it holds
+    # max_num_seqs half-length ones: 3 GB for SmolLM2, zeroed at start) and the steps are
+    # compiled for one.
+    _add_engine_args(p, skip=("seed", "data_parallel_size"), max_num_seqs=1)
 
   p = sub.add_parser("generate", help="answer one prompt, streaming the text")
   common(p, temperature=0.0)
