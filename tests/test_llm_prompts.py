@@ -15,8 +15,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-  # Scanned: the few steps these tests run compile in seconds.
-  return LLM(tiny_model_dir, warmup=False, max_model_len=64, max_num_seqs=4,
+  # Scanned, one sequence at a time: the few steps these tests run compile in seconds.
+  return LLM(tiny_model_dir, warmup=False, max_model_len=64, max_num_seqs=1,
              max_num_batched_tokens=16, scan_layers=True)
 
 

@@ -27,7 +27,7 @@ from jinfer.loader import load_model
 from jinfer.quant.groupwise import GroupwiseArray
 from jinfer.quant.qarray import QArray
 from tests.engine_fixtures import (SMALL_POOL, CompileCounter, assert_batch_matches, make_engine,
-                                   prefix_sharing_prompts, run_tokens)
+                                   prefix_sharing_prompts, random_prompts, run_tokens)
 from tests.test_quantized_checkpoints import awq_pack, gptq_pack_columns, gptq_pack_rows
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
@@ -67,10 +67,12 @@ def test_int4_runs_its_own_weights_exactly(tiny_model):
                        int8_transposed=False)
   assert isinstance(q["layers"]["attn"]["q_proj"]["kernel"], GroupwiseArray)
   assert isinstance(q["embedding"], QArray)  # the tied head: int8
-  prompts = prefix_sharing_prompts()[:4]
-  got = make_engine(tiny_model, warmup=False, **INT4)
+  prompts = random_prompts(4, seed=1, lo=17, hi=32)
+  # Scanned, one sequence at a time, prompts in one bucket: two steps to compile per engine.
+  options = dict(scan_layers=True, max_num_seqs=1, max_num_batched_tokens=64)
+  got = make_engine(tiny_model, warmup=False, **INT4, **options)
   want = LLMEngine.from_parts(config, _float_like(q, params), tok, warmup=False,
-                              config=EngineConfig.of())
+                              config=EngineConfig.of(**options))
   outs = [run_tokens(e, prompts, GREEDY) for e in (got, want)]
   assert outs[0] == outs[1]
   assert got.stats().weight_bytes < 0.3 * want.stats().weight_bytes
