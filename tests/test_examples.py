@@ -73,13 +73,6 @@ def test_speculative_ngram_on_a_tiny_model(tiny_model_dir):
   _check_speculative(out, ["ngram"])
 
 
-@pytest.mark.slow  # ~1 min: SmolLM2 twice, the draft beside it (n-gram: the test above)
-def test_speculative_on_smollm2_with_the_shipped_draft(smollm2_gguf):
-  out = run_example("speculative.py", "--methods", "draft", "--max-tokens", "24", "--no-warmup")
-  accepted = _check_speculative(out, ["draft"])
-  assert all(a > 0 for a, _ in accepted), out  # the draft had guesses accepted
-
-
 @pytest.mark.slow  # ~15 s until the compilation cache holds the server's warmup (~4 s after)
 def test_serve(tiny_model_dir):
   with socket.create_server(("127.0.0.1", 0)) as s:

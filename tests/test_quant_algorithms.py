@@ -366,8 +366,9 @@ def test_calibration_text_ships_with_the_package():
 # ------------------------------------------------------------------------------ real SmolLM2
 
 # A fixed English text that ships with every CPython (the existing W8A8 test's), and more of the
-# same documentation, none of it in the calibration text.
-TEXTS = ("assignment", "exceptions", "execmodel", "import", "compound", "customization")
+# same documentation, none of it in the calibration text. Four texts keep the slow tier in its
+# budget; docs/quantization.md measures six, and six more of 2,048 tokens for SmoothQuant.
+TEXTS = ("assignment", "exceptions", "execmodel", "import")
 
 
 def _perplexity(model, params, ids: list[int]) -> float:

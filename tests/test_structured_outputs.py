@@ -254,7 +254,7 @@ def test_ngram_speculates_under_a_constraint(tiny_model):
     final = engine.run_to_completion(rids)
     return [final[r].outputs[0] for r in rids]
 
-  for temperature in (0.0, 1.0, 3.0):
+  for temperature in (0.0, 3.0):  # 1.0 is near-greedy on the tiny model: 3.0 samples
     before = spec.stats().spec
     outs = run(spec, temperature)
     stats = spec.stats().spec.since(before)
