@@ -13,6 +13,16 @@ from tests.tiny_gguf import llama_cpp_permute
 GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
 
+def _add_shape(w: gguf.GGUFWriter, c) -> None:
+  """The metadata every architecture's file has: layers, context, widths, heads."""
+  w.add_block_count(c.num_hidden_layers)
+  w.add_context_length(c.max_position_embeddings)
+  w.add_embedding_length(c.hidden_size)
+  w.add_feed_forward_length(c.intermediate_size)
+  w.add_head_count(c.num_attention_heads)
+  w.add_head_count_kv(c.num_key_value_heads)
+
+
 def write_hf_as_gguf(path: str, hf, *, quantize: dict[str, Q] | None = None,
                      drop: tuple[str, ...] = (),
                      extra: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
@@ -22,12 +32,7 @@ def write_hf_as_gguf(path: str, hf, *, quantize: dict[str, Q] | None = None,
   arch = GGUF_ARCH[c.model_type]
   sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
   w = gguf.GGUFWriter(path, arch)
-  w.add_block_count(c.num_hidden_layers)
-  w.add_context_length(c.max_position_embeddings)
-  w.add_embedding_length(c.hidden_size)
-  w.add_feed_forward_length(c.intermediate_size)
-  w.add_head_count(c.num_attention_heads)
-  w.add_head_count_kv(c.num_key_value_heads)
+  _add_shape(w, c)
   w.add_layer_norm_rms_eps(c.rms_norm_eps)
   w.add_rope_freq_base(c.rope_parameters["rope_theta"])
   head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -105,12 +110,7 @@ def write_gemma3_as_gguf(path: str, hf, tokens: list[str], scores: list[float],
   c = hf.config
   sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
   w = gguf.GGUFWriter(path, "gemma3")
-  w.add_block_count(c.num_hidden_layers)
-  w.add_context_length(c.max_position_embeddings)
-  w.add_embedding_length(c.hidden_size)
-  w.add_feed_forward_length(c.intermediate_size)
-  w.add_head_count(c.num_attention_heads)
-  w.add_head_count_kv(c.num_key_value_heads)
+  _add_shape(w, c)
   w.add_key_length(c.head_dim)
   w.add_value_length(c.head_dim)
   w.add_layer_norm_rms_eps(c.rms_norm_eps)
