@@ -110,8 +110,10 @@ def _byte_level_bpe(reader, tokens: list[str], types: list[int],
   return backend, vocab
 
 
-def _gemma_sentencepiece(tokens: list[str]) -> tuple[HFTokenizer, dict[str, int]]:
-  """Gemma's SentencePiece BPE from a GGUF vocabulary (transformers' `gemma_tokenizer`).
+def _gemma_sentencepiece(tokens: list[str],
+                         types: list[int]) -> tuple[HFTokenizer, dict[str, int]]:
+  """Gemma's SentencePiece BPE from a GGUF vocabulary (transformers' `gemma_tokenizer`), with its
+  control tokens added, and its vocabulary.
 
   Tokens of two or more spaces are stored as spaces but looked up as "▁"s, so they are respelled
   first. Merges: every split of a token into two vocabulary tokens, ranked by the merged token's
@@ -133,6 +135,8 @@ def _gemma_sentencepiece(tokens: list[str]) -> tuple[HFTokenizer, dict[str, int]
   backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
   backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                        decoders.Fuse()])
+  backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                              for t, k in zip(tokens, types) if k == _CONTROL])
   return backend, vocab
 
 
@@ -204,9 +208,7 @@ class Tokenizer:
     if kind == "gpt2":
       backend, vocab = _byte_level_bpe(reader, tokens, types, path)
     elif kind == "llama" and arch in _GEMMA_ARCHITECTURES:
-      backend, vocab = _gemma_sentencepiece(tokens)
-      backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                  for t, k in zip(tokens, types) if k == _CONTROL])
+      backend, vocab = _gemma_sentencepiece(tokens, types)
     else:
       raise ValueError(f"{path}: tokenizer.ggml.model={kind!r} (architecture {arch!r}) is not "
                        f"supported; jinfer builds byte-level BPE ('gpt2') tokenizers, and "

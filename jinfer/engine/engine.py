@@ -271,9 +271,11 @@ class LLMEngine:
       return self.tokenizer.encode(prompt)
     return [int(t) for t in prompt]
 
-  def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+  def validate(self, prompt_token_ids: list[int], params: SamplingParams):
     """Raise ParameterError (a ValueError naming the parameter at fault) for anything that
-    cannot run; called before anything is queued."""
+    cannot run; called before anything is queued. Returns the request's structured-output
+    constraint compiled (a fresh matcher at the start of the output), or None."""
+    matcher = None
     n = len(prompt_token_ids)
     if n == 0:
       raise ParameterError("prompt", "the prompt is empty")
@@ -306,12 +308,12 @@ class LLMEngine:
         raise ParameterError("min_tokens", "min_tokens cannot be combined with "
                                            "structured_outputs: the constraint decides where "
                                            "the output ends")
-      # Compiled here, into the cache add_request takes it from: `LLM.generate` validates every
-      # request before it queues any.
-      self.grammars.matcher(params.structured_outputs)
+      # Compiled here (and cached): `LLM.generate` validates every request before it queues any.
+      matcher = self.grammars.matcher(params.structured_outputs)
     if params.prompt_logprobs is not None and not self.config.model.enable_prompt_logprobs:
       raise ParameterError("prompt_logprobs",
                            "prompt_logprobs needs the engine option enable_prompt_logprobs=True")
+    return matcher
 
   def add_request(self, request_id: str | None, prompt: str | list[int],
                   params: SamplingParams | None = None, *, arrival_time: float | None = None,
@@ -321,9 +323,7 @@ class LLMEngine:
     if request_id in self.groups:
       raise ValueError(f"request id {request_id!r} is already in use")
     ids = self.tokenize(prompt)
-    self.validate(ids, params)
-    matcher = (self.grammars.matcher(params.structured_outputs)
-               if params.structured_outputs is not None else None)
+    matcher = self.validate(ids, params)
     seed = params.seed if params.seed is not None else int(self._seed_rng.integers(1 << 31))
     metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
     seqs: list[Sequence] = []
