@@ -17,6 +17,7 @@ import time
 
 from jinfer.config import ModelConfig
 from jinfer.engine import compilation_cache, weight_quantization
+from jinfer.engine.disaggregated import DisaggregatedEngine
 from jinfer.engine.engine import EngineStats, LLMEngine
 from jinfer.engine.engine_config import EngineConfig, default_dtype
 from jinfer.engine.request import RequestOutput
@@ -166,8 +167,11 @@ class DataParallelEngine:
 
 
 def create_engine(model: str, *, config: EngineConfig, dtype=None, warmup: bool | str = True,
-                  skip_tokenizer_init: bool = False) -> LLMEngine | DataParallelEngine:
-  """One engine, or the data-parallel front end when `data_parallel_size > 1`."""
-  cls = DataParallelEngine if config.parallel.data_parallel_size > 1 else LLMEngine
+                  skip_tokenizer_init: bool = False
+                  ) -> LLMEngine | DataParallelEngine | DisaggregatedEngine:
+  """One engine, the data-parallel front end when `data_parallel_size > 1`, or prefill and
+  decode engines on separate devices with `kv_transfer_config`."""
+  cls = (DisaggregatedEngine if config.kv_transfer is not None else
+         DataParallelEngine if config.parallel.data_parallel_size > 1 else LLMEngine)
   return cls(model, dtype=dtype, config=config, warmup=warmup,
              skip_tokenizer_init=skip_tokenizer_init)

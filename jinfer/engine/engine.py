@@ -16,7 +16,8 @@ from jinfer.engine.block_manager import BlockManager
 from jinfer.engine.compile_guard import CompileGuard, CompileOnServingPath
 from jinfer.engine.engine_config import EngineConfig, default_dtype
 from jinfer.engine.expert_load import ExpertLoad
-from jinfer.engine.request import CompletionOutput, RequestMetrics, RequestOutput, Sequence
+from jinfer.engine.request import (CompletionOutput, RequestMetrics, RequestOutput, Sequence,
+                                   Status)
 from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jinfer.engine.step_compiler import StepCompiler
@@ -177,6 +178,11 @@ class LLMEngine:
                               in_step=self.proposer and self.proposer.in_step,
                               in_step_weights=self.proposer and self.proposer.in_step_weights)
     self.groups: dict[str, _Group] = {}
+    # Disaggregated serving (jinfer/engine/disaggregated.py): a prefill engine parks each
+    # sequence once its prompt is computed and its first token sampled, pages held, in
+    # `handoffs` for the coordinator to move to a decode engine (see `adopt`).
+    self.hand_off_prefilled = False
+    self.handoffs: list[Sequence] = []
     self._seed_rng = np.random.default_rng(config.model.seed)
     self._ids = itertools.count()
     self.num_steps = self.prompt_tokens = self.generation_tokens = 0
@@ -356,6 +362,24 @@ class LLMEngine:
         self.scheduler.finish(seq)
     return True
 
+  def adopt(self, group: _Group) -> None:
+    """Take over a request another engine ran (disaggregated serving). A sequence holding
+    pages of this engine's pool with the K/V of its first `num_computed_tokens` tokens runs on
+    from there; one holding none (preempted elsewhere) is computed again here, first in line."""
+    self.groups[group.request_id] = group
+    for seq in group.seqs:
+      if seq.finished:
+        continue
+      # Speculation's state describes drafts of the engine that had the sequence.
+      seq.spec_state = self.proposer and self.proposer.new_state()
+      seq.draft_lag = 0
+      if seq.pages:
+        self._cache_pages(seq)
+        self.scheduler._admit(seq)
+      else:
+        seq.num_computed_tokens, seq.status = 0, Status.WAITING
+        self.scheduler.waiting.appendleft(seq)
+
   def has_unfinished_requests(self) -> bool:
     return bool(self.groups)
 
@@ -462,6 +486,9 @@ class LLMEngine:
         self.scheduler.finish(seq)
       else:
         self.scheduler.rollback(seq)
+        if self.hand_off_prefilled:
+          self.scheduler.running.remove(seq)
+          self.handoffs.append(seq)
       touched[group.request_id] = group
     if self.spec_stats is not None:
       self.spec_stats.step_seconds += time.monotonic() - t_step

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jinfer.config import ModelConfig
+from jinfer.engine.kv_transfer import NAME as KV_TRANSFER, KVTransferConfig
 from jinfer.engine.scheduler import SchedulerConfig
 from jinfer.engine.speculative.config import SpeculativeConfig
 from jinfer.engine.step_input import Buckets
@@ -134,10 +135,23 @@ class EngineConfig:
   parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
   kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
   speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+  # Prefill and decode on separate device groups (`kv_transfer_config`); None: colocated.
+  kv_transfer: KVTransferConfig | None = None
 
   def __post_init__(self):
     """What no single section can check: how they fit together."""
     cp = self.parallel.context_parallel_size
+    if self.kv_transfer is not None:
+      if self.parallel.data_parallel_size > 1:
+        raise ParameterError("data_parallel_size", "with kv_transfer_config each group's devices "
+                             "decide its engines: leave data_parallel_size at 1")
+      if cp > 1:
+        raise ParameterError("context_parallel_size", "kv_transfer_config does not run with "
+                             "context parallelism yet (use context_parallel_size=1)")
+      if self.speculative is not None and self.speculative.method == "draft_model":
+        raise ParameterError(SPECULATIVE, "a draft model's own KV cache is not handed over "
+                             "by kv_transfer_config: decode-side speculation takes 'ngram' or "
+                             "'medusa'")
     if cp > 1 and self.speculative is not None and self.speculative.verifies_tree:
       raise ParameterError(SPECULATIVE, f"{self.speculative.method} verifies a tree, which does "
                            f"not run with context parallelism yet: the ring attention takes no "
@@ -157,22 +171,25 @@ class EngineConfig:
   def replace(self, **options: Any) -> "EngineConfig":
     """This config with the named flat options changed."""
     sections: dict[str, dict] = {}
-    spec = self.speculative
+    spec, kvt = self.speculative, self.kv_transfer
     for name, value in options.items():
       if name == SPECULATIVE:
         spec = None if value is None else SpeculativeConfig.parse(value)
+      elif name == KV_TRANSFER:
+        kvt = None if value is None else KVTransferConfig.parse(value)
       elif name in _SECTION_OF:
         sections.setdefault(_SECTION_OF[name], {})[name] = value
       else:
         raise ParameterError(name, f"unknown engine option {name!r}; known options: "
-                             f"{', '.join(sorted([*_SECTION_OF, SPECULATIVE]))}")
+                             f"{', '.join(sorted([*_SECTION_OF, SPECULATIVE, KV_TRANSFER]))}")
     changed = {s: dataclasses.replace(getattr(self, s), **kw) for s, kw in sections.items()}
-    return dataclasses.replace(self, **changed, speculative=spec)
+    return dataclasses.replace(self, **changed, speculative=spec, kv_transfer=kvt)
 
   def options(self) -> dict[str, Any]:
     """Every flat option and its value."""
     out = {f.name: getattr(getattr(self, s), f.name) for s, f in option_fields()}
     out[SPECULATIVE] = self.speculative
+    out[KV_TRANSFER] = self.kv_transfer
     return out
 
   def resolve(self, model: ModelConfig, dtype=None, platform: str | None = None

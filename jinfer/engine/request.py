@@ -22,6 +22,13 @@ class RequestMetrics:
   last_token_time: float | None = None
   finished_time: float | None = None
   token_times: list[float] = dataclasses.field(default_factory=list)
+  # Disaggregated serving, the last hand-over from the prefill to the decode side: when the
+  # prefill side let the sequence go (after its first token), when its pages were on the decode
+  # devices, when the decode side took it; and the K/V bytes copied (every hand-over).
+  handoff_time: float | None = None
+  transfer_done_time: float | None = None
+  decode_start_time: float | None = None
+  kv_transfer_bytes: int = 0
 
   @property
   def queue_time(self) -> float | None:

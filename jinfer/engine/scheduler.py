@@ -67,6 +67,9 @@ class Scheduler:
     self.waiting: collections.deque[Sequence] = collections.deque()
     self.running: list[Sequence] = []
     self.num_preemptions = 0
+    # False: waiting sequences are left for someone else to take (a decode engine of
+    # disaggregated serving, whose preempted sequences are recomputed on the prefill side).
+    self.admit_waiting = True
 
   def add(self, seq: Sequence):
     self.waiting.append(seq)
@@ -185,7 +188,7 @@ class Scheduler:
 
     # 2. Waiting sequences in arrival order.
     skipped: list[Sequence] = []
-    while (cfg.continuous_batching and self.waiting and budget > 0
+    while (cfg.continuous_batching and self.admit_waiting and self.waiting and budget > 0
            and len(self.running) < cfg.max_num_seqs):
       seq = self.waiting[0]
       lead = seq.wait_for

@@ -1,0 +1,391 @@
+"""Disaggregated serving in one process: prefill and decode on separate device groups.
+
+`kv_transfer_config` splits the devices: the first group's engines (each on
+`prefill_tensor_parallel_size` devices, with its own page pool, scheduler and prefix cache)
+compute prompts; the second group's engines decode. A request goes to the least-loaded prefill
+engine, which computes its prompt, samples its first token (streamed at once: the first token
+never waits for the copy) and parks it (`LLMEngine.hand_off_prefilled`). The coordinator then
+gathers the pages the sequence uses on the prefill devices and starts their copy onto the
+least-loaded decode engine's devices (`PageCopier.send`; dispatched, not waited for), and
+releases the prefill pages at once: the gathered copy holds their K/V, so the prefill pool
+never waits on the decode side. When that decode engine is between steps and has room (a free
+seat under `max_num_seqs` and the pages), the staged pages are written into pages of its pool
+(block table translated: the sequence's page list is the new one) and the sequence decodes
+there. Pages the decode pool already caches for the same prefix are shared, not written again.
+
+Every engine steps on its own thread, and `step` returns as soon as any engine's step is done,
+so decode steps never wait behind a long prefill step. Whatever touches an engine's pool,
+scheduler or cache (adding, aborting, handing over, adopting) happens only between that
+engine's steps, on the caller's thread.
+
+Preemption on the decode side recomputes on the prefill side: a decode engine leaves the
+sequences it preempts waiting (`Scheduler.admit_waiting` is off there); they go back, output
+tokens and all, to a prefill engine, whose prefix cache most likely still holds the prompt's
+pages, and come back through the same hand-over with their next token. Decode steps thus never
+carry a prefill chunk.
+
+Speculative decoding runs on the decode side ("ngram" or "medusa": a draft model's own cache is
+not handed over); the prefill engines do not speculate. A request samples n = 1 sequence here.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import logging
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jinfer.config import ModelConfig
+from jinfer.engine import compilation_cache, weight_quantization
+from jinfer.engine.engine import EngineStats, LLMEngine, _Group
+from jinfer.engine.engine_config import EngineConfig, default_dtype
+from jinfer.engine.kv_transfer import PageCopier, _error
+from jinfer.engine.request import RequestOutput, Sequence, Status
+from jinfer.errors import ParameterError
+from jinfer.sampling.params import SamplingParams
+from jinfer.tokenizer import Tokenizer
+from pallas_kernels.kv_cache_layout import SINK_PAGE
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class _Transfer:
+  """A sequence whose pages left the prefill side and are not yet in a decode engine's pool."""
+  group: _Group
+  seq: Sequence
+  dst: LLMEngine
+  copier: PageCopier
+  staged: Any  # the pages' K/V on the decode devices (the copy may still be running)
+  num_pages: int
+
+
+class DisaggregatedEngine:
+  """Prefill and decode engines behind the one-engine interface (`LLM` and the server drive it
+  unchanged); see the module docstring."""
+
+  def __init__(self, model: str, *, dtype=None, config: EngineConfig, warmup: bool | str = True,
+               skip_tokenizer_init: bool = False):
+    config.kv_transfer.groups(config.parallel.tensor_parallel_size, jax.devices())  # before loading
+    if config.kernels.compilation_cache:
+      compilation_cache.enable()
+    t0 = time.monotonic()
+    model_config, params, tokenizer, config = weight_quantization.load(
+        config, model, dtype or default_dtype(), load_tokenizer=not skip_tokenizer_init)
+    self._build(model_config, params, tokenizer, config, dtype, warmup)
+    self.load_seconds = time.monotonic() - t0 - self.warmup_seconds
+
+  @classmethod
+  def from_parts(cls, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None, *,
+                 config: EngineConfig, dtype=None,
+                 warmup: bool | str = True) -> "DisaggregatedEngine":
+    self = cls.__new__(cls)
+    self._build(model_config, params, tokenizer, config, dtype, warmup)
+    self.load_seconds = 0.0
+    return self
+
+  def _build(self, model_config, params, tokenizer, config: EngineConfig, dtype,
+             warmup: bool | str):
+    kvt = self.kv_transfer = config.kv_transfer
+    if jax.process_count() > 1:
+      raise _error("prefill and decode groups run in one process (kv_connector 'in_process')")
+    tp = config.parallel.tensor_parallel_size
+    prefill_devices, decode_devices = kvt.groups(tp, jax.devices())
+    base = config.replace(kv_transfer_config=None)
+    pre = base.replace(tensor_parallel_size=kvt.prefill_tensor_parallel_size or tp,
+                       num_pages=kvt.prefill_num_pages or config.cache.num_pages,
+                       speculative_config=None)
+    if kvt.prefill_num_pages is not None:
+      max_len = min(config.model.max_model_len, model_config.max_position_embeddings)
+      need = -(-max_len // config.cache.page_size)
+      if kvt.prefill_num_pages - 1 < need:
+        raise _error(f"prefill_num_pages={kvt.prefill_num_pages} cannot hold one sequence of "
+                     f"max_model_len={max_len} ({need} pages + the sink page)")
+    dec = base.replace(tensor_parallel_size=kvt.decode_tensor_parallel_size or tp)
+    make = lambda cfg, devices: LLMEngine.from_parts(model_config, params, tokenizer, config=cfg,
+                                                     dtype=dtype, warmup=False, devices=devices)
+    self.prefill = [make(pre, d) for d in prefill_devices]
+    self.decode = [make(dec, d) for d in decode_devices]
+    for e in self.prefill:
+      e.hand_off_prefilled = True
+    for e in self.decode:
+      e.scheduler.admit_waiting = False
+    self.copiers = {(p, d): PageCopier(p.runner, d.runner)
+                    for p in self.prefill for d in self.decode}
+    e0 = self.decode[0]
+    self.model_config, self.tokenizer, self.config = e0.model_config, tokenizer, e0.config
+    self.max_model_len = e0.max_model_len
+    engines = self.prefill + self.decode
+    # One thread per engine: its compile guard counts compiles on the thread that steps it.
+    self._threads = {e: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jinfer-pd")
+                     for e in engines}
+    self._timer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jinfer-kv")
+    self._inflight: dict[LLMEngine, concurrent.futures.Future] = {}
+    # Where each unfinished request is: an engine (queued for it, or in it) or a transfer.
+    self._where: dict[str, LLMEngine | _Transfer] = {}
+    self._adds: dict[LLMEngine, list[tuple]] = {e: [] for e in self.prefill}
+    self._adopts: dict[LLMEngine, list[_Group]] = {e: [] for e in self.prefill}
+    self._transfers: collections.deque[_Transfer] = collections.deque()
+    self._aborts: set[str] = set()
+    self._outputs: list[RequestOutput] = []  # of requests that failed between steps
+    # Seeds drawn as one engine draws them, so unseeded sampling matches the colocated engine.
+    self._seed_rng = np.random.default_rng(config.model.seed)
+    self._ids = itertools.count()
+    self.num_transfers = self.transfer_bytes = 0
+    t0 = time.monotonic()
+    if warmup:
+      rest = warmup if isinstance(warmup, str) else None
+      with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
+        list(pool.map(lambda e: e.warmup(rest), engines))
+      for (p, d), c in self.copiers.items():
+        c.compile(p.runner.kv_cache, d.runner.kv_cache, p.config.max_pages_per_seq)
+    self.warmup_seconds = time.monotonic() - t0
+
+  # -- what reports read: the decode side's ---------------------------------------------------
+  @property
+  def blocks(self):
+    return self.decode[0].blocks
+
+  @property
+  def runner(self):
+    return self.decode[0].runner
+
+  # -- requests -----------------------------------------------------------------------------
+  def tokenize(self, prompt: str | list[int]) -> list[int]:
+    return self.prefill[0].tokenize(prompt)
+
+  def validate(self, prompt_token_ids: list[int], params: SamplingParams):
+    if params.n > 1:
+      raise ParameterError("n", "n > 1 does not run with kv_transfer_config yet: send n "
+                                "requests")
+    return self.prefill[0].validate(prompt_token_ids, params)
+
+  def load(self, engine: LLMEngine) -> int:
+    """Sequences an engine holds or will be given."""
+    s = engine.scheduler
+    return (len(s.running) + len(s.waiting) + len(self._adds.get(engine, ()))
+            + len(self._adopts.get(engine, ())) + sum(t.dst is engine for t in self._transfers))
+
+  def add_request(self, request_id: str | None, prompt: str | list[int],
+                  params: SamplingParams | None = None, *, arrival_time: float | None = None,
+                  cache_salt: str | None = None) -> str:
+    params = params or SamplingParams()
+    request_id = str(next(self._ids)) if request_id is None else str(request_id)
+    if request_id in self._where:
+      raise ValueError(f"request id {request_id!r} is already in use")
+    self.validate(self.tokenize(prompt), params)
+    if params.seed is None:
+      params = dataclasses.replace(params, seed=int(self._seed_rng.integers(1 << 31)))
+    engine = min(self.prefill, key=self.load)
+    arrival = time.monotonic() if arrival_time is None else arrival_time
+    self._adds[engine].append((request_id, prompt, params, arrival, cache_salt))
+    self._where[request_id] = engine
+    return request_id
+
+  def abort(self, request_id: str) -> bool:
+    """Stop a request wherever it is (in an engine, or its pages in flight between them) and free
+    what it holds; applied between the steps of the engine that has it. False if unknown."""
+    request_id = str(request_id)
+    if request_id not in self._where:
+      return False
+    self._aborts.add(request_id)
+    self._apply_aborts()
+    return True
+
+  def has_unfinished_requests(self) -> bool:
+    return bool(self._where or self._outputs)
+
+  def running_request_ids(self) -> set[str]:
+    return set().union(*(e.running_request_ids() for e in self.prefill + self.decode))
+
+  def close(self):
+    for pool in [*self._threads.values(), self._timer]:
+      pool.shutdown(wait=True)
+    for e in self.prefill + self.decode:
+      e.close()
+
+  def wait_until_compiled(self) -> None:
+    for e in self.prefill + self.decode:
+      e.wait_until_compiled()
+
+  # -- the loop -----------------------------------------------------------------------------
+  def step(self) -> list[RequestOutput]:
+    """Start a step on every idle engine that has work, wait until one (any) is done, and
+    return what it produced, with the hand-overs it made started."""
+    self._between_steps()
+    if self._inflight:
+      concurrent.futures.wait(self._inflight.values(),
+                              return_when=concurrent.futures.FIRST_COMPLETED)
+      for e, fut in list(self._inflight.items()):
+        if fut.done():
+          del self._inflight[e]
+          self._outputs += self._collect(e, fut.result())
+      self._between_steps()
+    out, self._outputs = self._outputs, []
+    for o in out:
+      if o.finished:
+        self._where.pop(o.request_id, None)
+    return out
+
+  def _idle(self, engine: LLMEngine) -> bool:
+    return engine not in self._inflight
+
+  def _between_steps(self):
+    """Everything that touches an idle engine, then start the idle engines that have work."""
+    self._apply_aborts()
+    for e in self.prefill:
+      if self._idle(e):
+        for group in self._adopts[e]:
+          e.adopt(group)
+        self._adopts[e].clear()
+        for rid, prompt, params, arrival, salt in self._adds[e]:
+          e.add_request(rid, prompt, params, arrival_time=arrival, cache_salt=salt)
+        self._adds[e].clear()
+    for t in list(self._transfers):
+      if self._idle(t.dst):
+        self._receive(t)
+    for e in self.prefill + self.decode:
+      s = e.scheduler
+      if self._idle(e) and (s.running or (s.admit_waiting and s.waiting)):
+        self._inflight[e] = self._threads[e].submit(e.step)
+
+  def _collect(self, engine: LLMEngine, outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """After `engine`'s step: start the hand-overs of a prefill engine's finished prompts, or
+    send a decode engine's preempted sequences back to be recomputed on the prefill side."""
+    if engine.hand_off_prefilled:
+      for seq in engine.handoffs:
+        self._send(engine, seq)
+      engine.handoffs.clear()
+    else:
+      while engine.scheduler.waiting:
+        seq = engine.scheduler.waiting.popleft()
+        group = engine.groups.pop(seq.group_id)
+        dst = min(self.prefill, key=self.load)
+        self._adopts[dst].append(group)
+        self._where[group.request_id] = dst
+    return outputs
+
+  def _send(self, src: LLMEngine, seq: Sequence):
+    group = src.groups.pop(seq.group_id)
+    dst = min(self.decode, key=self.load)
+    copier = self.copiers[(src, dst)]
+    seq.metrics.handoff_time = time.monotonic()
+    seq.metrics.transfer_done_time = None
+    try:
+      staged = copier.send(src.runner.kv_cache, seq.pages)
+    except Exception as e:  # noqa: BLE001 - the request's own failure, reported as its error
+      staged, error = None, e
+    n = len(seq.pages)
+    # The gathered copy holds the K/V now (JAX orders the next step's in-place writes after the
+    # gather that reads them): the prefill pool gets its pages back at once.
+    src.blocks.release(seq.pages)
+    seq.pages = []
+    if staged is None:
+      log.error("KV transfer of request %s failed", group.request_id, exc_info=error)
+      return self._fail(group, f"KV transfer failed: {error!r}")
+    nbytes = n * copier.bytes_per_page
+    seq.metrics.kv_transfer_bytes += nbytes
+    self.num_transfers += 1
+    self.transfer_bytes += nbytes
+    self._timer.submit(_mark_done, staged, seq.metrics)
+    t = _Transfer(group, seq, dst, copier, staged, n)
+    self._transfers.append(t)
+    self._where[group.request_id] = t
+
+  def _receive(self, t: _Transfer):
+    """Write a transfer's pages into its (idle) decode engine's pool, if it has room now."""
+    d, seq = t.dst, t.seq
+    s, blocks = d.scheduler, d.blocks
+    # Room for the newcomer and a page of growth for everyone running, so admitting it does not
+    # at once preempt someone else.
+    if (len(s.running) >= s.config.max_num_seqs
+        or blocks.num_free_pages < t.num_pages + len(s.running)):
+      return
+    self._transfers.remove(t)
+    shared = []
+    if seq.params.prompt_logprobs is None:
+      shared = blocks.match_prefix(seq.token_ids[:seq.num_computed_tokens + 1], seq.cache_salt)
+    fresh = blocks.allocate(t.num_pages - len(shared))
+    # Pages the decode pool already holds for this prefix are not written: their slots in the
+    # copy go to the sink page.
+    try:
+      cache = t.copier.receive(d.runner.kv_cache, t.staged,
+                               [SINK_PAGE] * len(shared) + fresh)
+    except Exception as e:  # noqa: BLE001 - fails this request (and, if the cache went, recomputes)
+      log.error("KV transfer of request %s failed", t.group.request_id, exc_info=e)
+      blocks.release(shared + fresh)
+      if d.runner.kv_cache.is_deleted():
+        # The donated cache went with the failed call: every sequence it held is recomputed on
+        # the prefill side, as a failed step's would be.
+        d.runner.kv_cache = d.runner._allocate()
+        d.runner.cache_resets += 1
+        s.preempt_all()
+        blocks.forget_cached()
+        self._collect(d, [])
+      return self._fail(t.group, f"KV transfer failed: {e!r}")
+    d.runner.kv_cache = cache
+    seq.pages = shared + fresh
+    seq.metrics.decode_start_time = time.monotonic()
+    d.adopt(t.group)
+    self._where[t.group.request_id] = d
+
+  def _fail(self, group: _Group, reason: str):
+    """End a request that is in no engine with an error."""
+    for seq in group.seqs:
+      if not seq.finished:
+        seq.finish_reason, seq.stop_reason, seq.status = "error", reason, Status.FINISHED
+    self._outputs.append(self.decode[0]._output(group))
+
+  def _apply_aborts(self):
+    for rid in list(self._aborts):
+      where = self._where.get(rid)
+      if isinstance(where, _Transfer):  # its prefill pages are free, no decode page is taken
+        self._transfers.remove(where)
+        where.seq.finish_reason, where.seq.status = "abort", Status.FINISHED
+      elif where is not None:
+        if not self._idle(where):
+          continue  # applied after its step
+        adds = self._adds.get(where, [])
+        adds[:] = [a for a in adds if a[0] != rid]
+        adopts = self._adopts.get(where, [])
+        for g in [g for g in adopts if g.request_id == rid]:
+          adopts.remove(g)
+          for seq in g.seqs:
+            seq.finish_reason, seq.status = "abort", Status.FINISHED
+        where.abort(rid)
+      self._where.pop(rid, None)
+      self._aborts.discard(rid)
+      # An output of this request already collected is dropped, as one engine's abort does.
+      self._outputs = [o for o in self._outputs if o.request_id != rid]
+
+  # -- numbers ------------------------------------------------------------------------------
+  def stats(self) -> EngineStats:
+    """Counts summed over every engine of both groups; ratios are their mean; steps the busiest
+    engine's. The transfers' own counts: `num_transfers`, `transfer_bytes`."""
+    per = [e.stats() for e in self.prefill + self.decode]
+    total = lambda name: sum(getattr(s, name) for s in per)
+    mean = lambda name: sum(getattr(s, name) for s in per) / len(per)
+    waiting = sum(len(a) + len(b) for a, b in zip(self._adds.values(), self._adopts.values()))
+    return EngineStats(
+        num_running=total("num_running"),
+        num_waiting=total("num_waiting") + waiting + len(self._transfers),
+        kv_utilization=mean("kv_utilization"), kv_pages_used=mean("kv_pages_used"),
+        prefix_hit_rate=mean("prefix_hit_rate"), num_preemptions=total("num_preemptions"),
+        prompt_tokens=total("prompt_tokens"), generation_tokens=total("generation_tokens"),
+        num_steps=max(s.num_steps for s in per), weight_bytes=total("weight_bytes"),
+        kv_cache_bytes=total("kv_cache_bytes"), kv_bytes_per_token=per[0].kv_bytes_per_token,
+        kv_pages_per_gib=per[0].kv_pages_per_gib,
+        compiles_after_startup=total("compiles_after_startup"),
+        buckets_compiled=min(s.buckets_compiled for s in per), buckets_total=per[0].buckets_total,
+        spec=next((s.spec for s in per if s.spec is not None), None))
+
+
+def _mark_done(staged, metrics) -> None:
+  """On the timing thread: when a transfer's pages have arrived on the decode devices."""
+  jax.block_until_ready(staged)
+  metrics.transfer_done_time = time.monotonic()
