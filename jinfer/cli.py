@@ -45,7 +45,7 @@ def _add_engine_args(p, *, skip: tuple[str, ...] = (), **defaults):
   """A flag per engine option (vLLM's names: --max-model-len, --tensor-parallel-size,
   --speculative-config JSON, ...), grouped by config section, help from the field's comment;
   `defaults` override the sections'; `skip`: options this command sets itself."""
-  from jinfer.engine.engine_config import SPECULATIVE, option_fields
+  from jinfer.engine.engine_config import KV_TRANSFER, SPECULATIVE, option_fields
   helps = _field_help()
   groups = {}
   for section, f in option_fields():
@@ -73,6 +73,13 @@ def _add_engine_args(p, *, skip: tuple[str, ...] = (), **defaults):
         "--speculative-config", metavar="JSON", default=defaults.get(SPECULATIVE),
         help="speculative decoding, as JSON: {\"method\": \"ngram\" | \"draft_model\" | "
              "\"medusa\", \"num_speculative_tokens\": k, ...} (see SpeculativeConfig)")
+  if KV_TRANSFER not in skip:
+    p.add_argument_group("engine options: disaggregated prefill and decode").add_argument(
+        "--kv-transfer-config", metavar="JSON", default=defaults.get(KV_TRANSFER),
+        help="prefill and decode on separate devices, as JSON: {\"kv_connector\": "
+             "\"in_process\", \"prefill_devices\": N, \"decode_devices\": M, "
+             "\"prefill_tensor_parallel_size\": T, \"decode_tensor_parallel_size\": T, "
+             "\"prefill_num_pages\": P} (see KVTransferConfig)")
 
 
 def _bool(text: str) -> bool:
@@ -82,9 +89,9 @@ def _bool(text: str) -> bool:
 
 
 def _engine_config(args, **override):
-  from jinfer.engine.engine_config import SPECULATIVE, EngineConfig, option_fields
+  from jinfer.engine.engine_config import KV_TRANSFER, SPECULATIVE, EngineConfig, option_fields
   from jinfer.weights.builtin import resolve_speculative_model
-  names = [f.name for _, f in option_fields()] + [SPECULATIVE]
+  names = [f.name for _, f in option_fields()] + [SPECULATIVE, KV_TRANSFER]
   # A command's own flag of an option's name (generate's request --seed, bench's prompt --seed)
   # is not that engine option.
   skip = getattr(args, "_engine_skip", ())
@@ -176,13 +183,13 @@ def cmd_bench(args):
   import json
 
   from jinfer.bench.offline import RandomWorkload, run_offline
-  from jinfer.engine.engine import LLMEngine
+  from jinfer.engine.data_parallel import create_engine
   workload = RandomWorkload(num_prompts=args.num_prompts, input_len_min=args.input_len_min,
                             input_len_max=args.input_len_max, output_len=args.output_len,
                             output_len_min=args.output_len_min, seed=args.seed)
   config = _engine_config(args, max_model_len=args.max_model_len or workload.max_len)
   # Every bucket compiled first, so that no compile runs beside the timed run.
-  engine = LLMEngine(args.model, config=config, warmup="now")
+  engine = create_engine(args.model, config=config, warmup="now")
   summary = {"model": args.model, **run_offline(engine, workload)}
   text = json.dumps(summary, indent=2)
   print(text)
@@ -298,7 +305,8 @@ def parser() -> argparse.ArgumentParser:
     # the request. One sequence at a time: the KV pool holds one (by default it holds
     # max_num_seqs half-length ones: 3 GB for SmolLM2, zeroed at start) and the steps are
     # compiled for one.
-    _add_engine_args(p, skip=("seed", "data_parallel_size"), max_num_seqs=1)
+    _add_engine_args(p, skip=("seed", "data_parallel_size", "kv_transfer_config"),
+                     max_num_seqs=1)
 
   p = sub.add_parser("generate", help="answer one prompt, streaming the text")
   common(p, temperature=0.0)
@@ -330,8 +338,8 @@ def parser() -> argparse.ArgumentParser:
                  help="output lengths uniform in [this, --output-len] (default: all equal)")
   p.add_argument("--seed", type=int, default=0, help="numpy seed of the prompts")
   p.add_argument("--out", default=None, help="also write the JSON to this file")
-  # The benchmark reads one engine's pool; max_model_len defaults to the longest prompt +
-  # output the workload can make.
+  # One engine, or prefill and decode engines (--kv-transfer-config); max_model_len defaults
+  # to the longest prompt + output the workload can make.
   _add_engine_args(p, skip=("seed", "data_parallel_size"), max_model_len=None)
   p.set_defaults(fn=cmd_bench)
 
@@ -339,7 +347,7 @@ def parser() -> argparse.ArgumentParser:
                                       "`--model DIR` then loads it as it is")
   p.add_argument("--model", default=DEFAULT_MODEL)
   p.add_argument("--out", required=True, help="directory to save the quantized model into")
-  _add_engine_args(p, skip=("data_parallel_size",))
+  _add_engine_args(p, skip=("data_parallel_size", "kv_transfer_config"))
   p.set_defaults(fn=cmd_quantize)
 
   p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)")

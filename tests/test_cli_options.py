@@ -6,15 +6,16 @@ from __future__ import annotations
 import pytest
 
 from jinfer import cli
-from jinfer.engine.engine_config import (SPECULATIVE, CacheConfig, EngineConfig, ModelOptions,
+from jinfer.engine.engine_config import (KV_TRANSFER, SPECULATIVE, CacheConfig, EngineConfig, ModelOptions,
                                          option_fields)
 from jinfer.errors import ParameterError
 
-FIELDS = [f.name for _, f in option_fields()] + [SPECULATIVE]
+FIELDS = [f.name for _, f in option_fields()] + [SPECULATIVE, KV_TRANSFER]
 # What each command sets itself instead (its own --seed; one engine, no data-parallel front end).
-OWN = {"serve": (), "quantize": ("data_parallel_size",),
-       "bench": ("seed", "data_parallel_size"), "generate": ("seed", "data_parallel_size"),
-       "chat": ("seed", "data_parallel_size")}
+OWN = {"serve": (), "quantize": ("data_parallel_size", KV_TRANSFER),
+       "bench": ("seed", "data_parallel_size"),
+       "generate": ("seed", "data_parallel_size", KV_TRANSFER),
+       "chat": ("seed", "data_parallel_size", KV_TRANSFER)}
 
 
 def _subparser(command: str):
@@ -32,7 +33,7 @@ def test_every_engine_option_is_a_flag(command):
 
 def test_options_have_help():
   helps = cli._field_help()
-  assert [f for f in FIELDS if f != SPECULATIVE and not helps.get(f)] == []
+  assert [f for f in FIELDS if f not in (SPECULATIVE, KV_TRANSFER) and not helps.get(f)] == []
   assert "token budget of one step" in helps["max_num_batched_tokens"]
 
 

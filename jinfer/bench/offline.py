@@ -100,6 +100,27 @@ def _percentiles(xs: list[float]) -> dict[str, float | None]:
           "p99": float(np.percentile(a, 99))}
 
 
+def transfer_summary(metrics: list) -> dict | None:
+  """Disaggregated serving: each request's time to first token split into queue (arrival to
+  its prefill's start) and prefill (to its first token, sampled on the prefill side), then the
+  hand-over (first token to the decode side taking the sequence: the pages' gather and copy,
+  and any wait for a decode seat), the copy alone (hand-over to the pages on the decode
+  devices), and the K/V bytes copied per request. None for a colocated engine."""
+  m = [x for x in metrics if x.handoff_time is not None]
+  if not m:
+    return None
+  return {
+      "requests": len(m),
+      "queue_s": _percentiles([x.first_scheduled_time - x.arrival_time for x in m]),
+      "prefill_s": _percentiles([x.first_token_time - x.first_scheduled_time for x in m]),
+      "handover_s": _percentiles([x.decode_start_time - x.handoff_time for x in m
+                                  if x.decode_start_time is not None]),
+      "copy_s": _percentiles([x.transfer_done_time - x.handoff_time for x in m
+                              if x.transfer_done_time is not None]),
+      "bytes_per_request": _percentiles([x.kv_transfer_bytes for x in m]),
+  }
+
+
 def run_offline(engine: LLMEngine, workload: RandomWorkload, *,
                 prompts: list[list[int]] | None = None) -> dict:
   """Submit the whole workload at once, step the engine until it drains, and summarize.
@@ -146,6 +167,7 @@ def run_offline(engine: LLMEngine, workload: RandomWorkload, *,
   ttft = [o.metrics.ttft for o in completed if o.metrics.ttft is not None]
   tpot = [o.metrics.tpot for o in completed if o.metrics.tpot is not None]
   options = engine.config.config.options()
+  kv_transfer = getattr(engine, "kv_transfer", None)
   return {
       "machine": machine_info(),
       "config": {
@@ -155,6 +177,7 @@ def run_offline(engine: LLMEngine, workload: RandomWorkload, *,
               "max_prefill_seqs", "enable_prefix_caching", "continuous_batching")},
           "speculative_config": (options["speculative_config"].to_dict()
                                  if options["speculative_config"] is not None else None),
+          "kv_transfer_config": kv_transfer.to_dict() if kv_transfer is not None else None,
           "num_pages": engine.blocks.num_pages,
           "kernels": dataclasses.asdict(engine.runner.model.kernels),
           "dtype": np.dtype(engine.runner.spec.dtype).name,
@@ -172,6 +195,8 @@ def run_offline(engine: LLMEngine, workload: RandomWorkload, *,
       "total_tokens_per_s": (in_tok + out_tok) / wall,
       "ttft_s": _percentiles(ttft),
       "tpot_s": _percentiles(tpot),
+      "itl_s": _percentiles([x for o in completed for x in o.metrics.itl]),
+      "kv_transfer": transfer_summary([o.metrics for o in completed]),
       "kv_utilization_mean": float(np.mean(kv_util)) if kv_util else None,
       "kv_pages_used_mean": float(np.mean(pages_used)) if pages_used else None,
       "saturated_steps": len(kv_util),

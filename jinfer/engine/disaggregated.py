@@ -275,7 +275,7 @@ class DisaggregatedEngine:
     dst = min(self.decode, key=self.load)
     copier = self.copiers[(src, dst)]
     seq.metrics.handoff_time = time.monotonic()
-    seq.metrics.transfer_done_time = None
+    seq.metrics.transfer_done_time = seq.metrics.decode_start_time = None
     try:
       staged = copier.send(src.runner.kv_cache, seq.pages)
     except Exception as e:  # noqa: BLE001 - the request's own failure, reported as its error
