@@ -16,17 +16,39 @@ from jinfer.engine.kv_transfer import KVTransferConfig
 from jinfer.errors import ParameterError
 from jinfer.sampling.params import SamplingParams
 
-# A pool of 9 pages (8 usable) holds one sequence of max_model_len: two long ones on one decode
-# engine outgrow it, and the newer is preempted.
-BASE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, page_size=16)
+# A pool of 9 pages (8 usable) holds one sequence of max_model_len: sequences that grow together
+# on one engine outgrow it, and the newest is preempted. Every engine has it: one cache shape,
+# one set of compiled steps.
+BASE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, page_size=16,
+            num_pages=9)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+
+
+# A random Llama small enough that a step costs little on 8 host devices (a vocabulary of 512:
+# sampling and top logprobs over a large one dominated every step).
+CFG = ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
+                  max_position_embeddings=4096, rope_theta=10000.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+  """(config, params, no tokenizer) with clear greedy winners."""
+  from jinfer.models import param_shapes
+  rng = np.random.default_rng(0)
+  p = jax.tree_util.tree_map_with_path(
+      lambda path, s: (np.ones(s.shape) if path[-1].key == "scale"  # norms
+                       else rng.standard_normal(s.shape) * 0.2).astype(np.float32),
+      param_shapes(CFG))
+  p["embedding"] *= 20
+  return CFG, jax.tree.map(jax.numpy.asarray, p), None
 
 
 def _prompts(vocab: int) -> list[list[int]]:
   rng = np.random.default_rng(3)
   # The last repeats itself, so n-gram drafts get accepted.
-  return [rng.integers(0, vocab, n).tolist() for n in (5, 37, 100, 40, 9)] + [[7, 8, 9] * 10]
+  return [rng.integers(0, vocab, n).tolist() for n in (5, 37, 60, 40, 9)] + [[7, 8, 9] * 10]
 
 
 def _run(engine, prompts, params) -> list:
@@ -56,8 +78,8 @@ def _no_leaks(d: DisaggregatedEngine):
     assert e.blocks.num_free_pages == e.blocks.num_usable_pages and not e.groups
 
 
-def _disaggregated(tiny_model, options=None, **kv_transfer) -> DisaggregatedEngine:
-  cfg, params, tok = tiny_model
+def _disaggregated(model, options=None, **kv_transfer) -> DisaggregatedEngine:
+  cfg, params, tok = model
   config = EngineConfig.of(**BASE, **(options or {}), tensor_parallel_size=2,
                            kv_transfer_config=kv_transfer)
   return DisaggregatedEngine.from_parts(cfg, params, tok, config=config, warmup=False)
@@ -65,33 +87,36 @@ def _disaggregated(tiny_model, options=None, **kv_transfer) -> DisaggregatedEngi
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (see conftest.py)")
-def test_disaggregated_matches_colocated(tiny_model):
+def test_disaggregated_matches_colocated(model):
   """Greedy tokens and logprobs and seeded samples of two splits equal the colocated engine's
-  (TP 2): prefill on 2 devices and decode on 6 (three decode engines of TP 2); prefill on 4 (two
-  engines of TP 2) and decode on 4 (one engine of TP 4, which holds each KV head twice: the
-  copy maps heads), whose 9-page pool preempts and recomputes on the prefill side. Then, on the
-  second: aborts wherever a request is (queued, prefilling, pages in flight, decoding) and a
-  transfer that fails (consuming the decode cache): that request alone errors, the sequences
-  the lost cache held are recomputed, and no page leaks on either side."""
-  cfg, params, tok = tiny_model
+  (TP 2): prefill on 2 devices and decode on 6 (three decode engines of TP 2); prefill on 2
+  and decode on 2, whose 9-page pool preempts (recomputed on the prefill side). Then, on the second: aborts wherever a request is (queued, prefilling, pages
+  in flight, decoding) and a transfer that fails (consuming the decode cache): that request
+  alone errors, the sequences the lost cache held are recomputed, and no page leaks on either
+  side. Last, n-gram speculation on the decode side gives the greedy tokens."""
+  cfg, params, tok = model
   prompts = _prompts(cfg.vocab_size)
   colocated = LLMEngine.from_parts(cfg, params, tok, warmup=False,
                                    config=EngineConfig.of(**BASE, tensor_parallel_size=2))
   want = _run(colocated, prompts, [GREEDY, SEEDED])
 
-  wide = _disaggregated(tiny_model, prefill_devices=2)
+  wide = _disaggregated(model, prefill_devices=2)
   assert (len(wide.prefill), len(wide.decode)) == (1, 3)
   _assert_same(_run(wide, prompts, [GREEDY, SEEDED]), want)
   _no_leaks(wide)
   assert wide.num_transfers >= 2 * len(prompts)
+  del wide
 
-  narrow = _disaggregated(tiny_model, dict(num_pages=9), prefill_devices=4,
-                          decode_tensor_parallel_size=4)
-  assert (len(narrow.prefill), len(narrow.decode)) == (2, 1)
+  # Three sequences admitted together on one decode engine's 8 pages, each growing to 3 pages:
+  # the newest is preempted, and recomputed on the prefill side.
+  narrow = _disaggregated(model, prefill_devices=2, decode_devices=2)
+  assert (len(narrow.prefill), len(narrow.decode)) == (1, 1)
+  grow = [p[:17] for p in prompts[1:4]]
+  _assert_same(_run(narrow, grow, [GREEDY]), _run(colocated, grow, [GREEDY]))
+  assert narrow.decode[0].scheduler.num_preemptions > 0
+  assert narrow.num_transfers > len(grow)  # the preempted came back
   _assert_same(_run(narrow, prompts, [GREEDY, SEEDED]), want)
   _no_leaks(narrow)
-  assert narrow.decode[0].scheduler.num_preemptions > 0
-  assert narrow.num_transfers > 2 * len(prompts)  # the preempted came back a second time
 
   # Aborts: one queued, and the others once each is prefilling, in flight or decoding.
   long = [p for p in prompts if len(p) >= 37]
@@ -111,8 +136,9 @@ def test_disaggregated_matches_colocated(tiny_model):
   _no_leaks(narrow)
 
   # A transfer whose write consumes the decode cache and fails.
-  copier = narrow.copiers[(narrow.prefill[0], narrow.decode[0])]
-  real = copier._scatter
+  dst = narrow.decode[0]
+  copiers = [narrow.copiers[(p, dst)] for p in narrow.prefill]
+  real = copiers[0]._scatter
   calls = []
 
   def failing_scatter(cache, pages, ids):
@@ -122,41 +148,68 @@ def test_disaggregated_matches_colocated(tiny_model):
     jax.tree.map(lambda a: a.delete(), cache)  # what a call that consumed its donation leaves
     raise RuntimeError("injected transfer failure")
 
-  copier._scatter = failing_scatter
+  for c in copiers:
+    c._scatter = failing_scatter
   got = _run(narrow, prompts, [GREEDY])
-  copier._scatter = real
+  for c in copiers:
+    c._scatter = real
   failed = [o for o in got if o.error is not None]
   assert len(failed) == 1 and "injected transfer failure" in failed[0].error
   assert failed[0].outputs[0].finish_reason == "error"
   _assert_same([o for o in got if o.error is None],
                [w for w, o in zip(want[::2], got) if o.error is None])
-  assert narrow.decode[0].runner.cache_resets == 1
+  assert dst.runner.cache_resets == 1
   _no_leaks(narrow)
+  del narrow
+
+  # n-gram drafts verified on the decode engine: the greedy tokens of plain decoding.
+  spec = _disaggregated(model, dict(speculative_config={
+      "method": "ngram", "num_speculative_tokens": 3}), prefill_devices=2, decode_devices=2)
+  assert spec.prefill[0].proposer is None and spec.decode[0].proposer is not None
+  got = _run(spec, prompts, [GREEDY])
+  assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want[::2]]
+  assert spec.stats().spec.num_accepted_tokens > 0
+  _no_leaks(spec)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (see conftest.py)")
-def test_speculative_decoding_on_the_decode_side(tiny_model):
-  """n-gram drafts verified on the decode engine: the greedy tokens of plain decoding."""
-  cfg, params, tok = tiny_model
-  prompts = _prompts(cfg.vocab_size)
-  config = EngineConfig.of(**BASE, tensor_parallel_size=2,
-                           kv_transfer_config={"prefill_devices": 2, "decode_devices": 2},
-                           speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-  d = DisaggregatedEngine.from_parts(cfg, params, tok, config=config, warmup=False)
-  assert d.prefill[0].proposer is None and d.decode[0].proposer is not None
-  colocated = LLMEngine.from_parts(cfg, params, tok, warmup=False,
-                                   config=EngineConfig.of(**BASE, tensor_parallel_size=2))
-  got, want = _run(d, prompts, [GREEDY]), _run(colocated, prompts, [GREEDY])
-  assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-  assert d.stats().spec.num_accepted_tokens > 0
-  _no_leaks(d)
+def test_pages_copy_between_meshes_and_head_layouts():
+  """The copy reads the pages asked for and writes them where asked, whatever mesh each side
+  has: 2 KV heads over TP 2 into a cache of TP 4 that holds each head twice, values and scales
+  of a quantized cache alike (every leaf's page axis)."""
+  from types import SimpleNamespace
+
+  from jax.sharding import NamedSharding
+
+  from jinfer.engine.kv_transfer import PageCopier
+  from jinfer.parallel.mesh import ParallelConfig, make_mesh
+  from jinfer.parallel.sharding import kv_cache_sharding
+  from pallas_kernels.kv_cache_layout import QuantizedKVCache
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices (see conftest.py)")
+  devices = jax.devices()
+  rng = np.random.default_rng(0)
+
+  def side(tp, heads, devs, values):  # a runner as the copy sees one: its heads and its cache
+    mesh = make_mesh(ParallelConfig(tensor_parallel_size=tp), devs)
+    sh = kv_cache_sharding(mesh, quantized=True)
+    cache = QuantizedKVCache(values, values[..., 0] * 0.5)  # [L, pages, 2, H, ps, D], [.., ps]
+    return SimpleNamespace(config=SimpleNamespace(num_kv_heads=heads),
+                           kv_cache=jax.device_put(cache, sh))
+
+  src = side(2, 2, devices[:2], rng.standard_normal((2, 6, 2, 2, 4, 8)).astype(np.float32))
+  dst = side(4, 4, devices[4:], np.zeros((2, 9, 2, 4, 4, 8), np.float32))
+  copier = PageCopier(src, dst)
+  staged = copier.send(src.kv_cache, [3, 1, 4])  # 3 pages, padded to 4 with the sink page
+  out = copier.receive(dst.kv_cache, staged, [7, 2, 5])
+  assert isinstance(out.values.sharding, NamedSharding) and out.values.sharding.mesh.size == 4
+  for got, want in ((out.values, src.kv_cache.values), (out.scales, src.kv_cache.scales)):
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(got[:, [7, 2, 5]], np.repeat(want[:, [3, 1, 4]], 2, axis=3))
+    assert not got[:, [1, 3, 4, 6, 8]].any()  # no other page written (the sink is scratch)
+  assert copier.bytes_per_page == 2 * 2 * 4 * 4 * (8 + 1) * 4
 
 
 # -- bad input, on the host alone -------------------------------------------------------------
-CFG = ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
-                  num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
-                  max_position_embeddings=4096, rope_theta=10000.0)
 
 
 @pytest.mark.parametrize("options,says", [
