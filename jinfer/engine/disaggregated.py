@@ -107,6 +107,14 @@ class DisaggregatedEngine:
         raise _error(f"prefill_num_pages={kvt.prefill_num_pages} cannot hold one sequence of "
                      f"max_model_len={max_len} ({need} pages + the sink page)")
     dec = base.replace(tensor_parallel_size=kvt.decode_tensor_parallel_size or tp)
+    spec = config.speculative
+    if spec is None or spec.method == "ngram":
+      # A decode engine's steps carry a token per sequence (and its drafts), never a prefill
+      # chunk: larger token buckets would only be compiled.
+      rows = config.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+      budget = min(config.scheduler.max_num_batched_tokens, 1 << (rows - 1).bit_length())
+      dec = dec.replace(max_num_batched_tokens=budget,
+                        max_prefill_seqs=min(config.scheduler.max_prefill_seqs, budget))
     make = lambda cfg, devices: LLMEngine.from_parts(model_config, params, tokenizer, config=cfg,
                                                      dtype=dtype, warmup=False, devices=devices)
     self.prefill = [make(pre, d) for d in prefill_devices]
