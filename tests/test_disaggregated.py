@@ -172,6 +172,37 @@ def test_disaggregated_matches_colocated(model):
   _no_leaks(spec)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (see conftest.py)")
+def test_llm_and_the_server_loop_take_the_option(tiny_model_dir):
+  """`LLM(path, kv_transfer_config=...)` loads the model once for both groups and answers as
+  the colocated LLM does; the server's engine loop drives the same engine unchanged."""
+  import asyncio
+
+  from jinfer import LLM
+  from jinfer.engine.async_engine import AsyncLLMEngine, collect
+  options = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, warmup=False)
+  prompts = ["t5 t9 t3 t7", "t11 t4"]
+  sp = SamplingParams(max_tokens=6, temperature=0.0)
+  want = [o.outputs[0].text for o in LLM(tiny_model_dir, **options).generate(prompts, sp)]
+  llm = LLM(tiny_model_dir, kv_transfer_config={"prefill_devices": 1, "decode_devices": 1},
+            **options)
+  assert isinstance(llm.engine, DisaggregatedEngine)
+  assert [o.outputs[0].text for o in llm.generate(prompts, sp)] == want
+
+  async def serve():
+    aeng = AsyncLLMEngine(llm.engine)
+    aeng.start()
+    try:
+      return await asyncio.gather(*(collect(aeng.generate(llm.engine.tokenize(p), sp, f"r{i}"))
+                                    for i, p in enumerate(prompts)))
+    finally:
+      await aeng.shutdown()
+
+  assert [o.outputs[0].text for o in asyncio.run(serve())] == want
+  _no_leaks(llm.engine)
+
+
 def test_pages_copy_between_meshes_and_head_layouts():
   """The copy reads the pages asked for and writes them where asked, whatever mesh each side
   has: 2 KV heads over TP 2 into a cache of TP 4 that holds each head twice, values and scales
