@@ -174,10 +174,11 @@ def test_disaggregated_matches_colocated(model):
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (see conftest.py)")
-def test_llm_and_the_server_loop_take_the_option(tiny_model_dir):
+def test_llm_the_server_loop_and_bench_take_the_option(tiny_model_dir, tmp_path):
   """`LLM(path, kv_transfer_config=...)` loads the model once for both groups and answers as
   the colocated LLM does; the server's engine loop drives the same engine unchanged."""
   import asyncio
+  import json
 
   from jinfer import LLM
   from jinfer.engine.async_engine import AsyncLLMEngine, collect
@@ -201,6 +202,19 @@ def test_llm_and_the_server_loop_take_the_option(tiny_model_dir):
 
   assert [o.outputs[0].text for o in asyncio.run(serve())] == want
   _no_leaks(llm.engine)
+
+  # `jinfer bench` runs it too (the same sizes: its steps are the ones compiled above), and
+  # reports the TTFT split and the bytes each request's hand-over copied.
+  out = tmp_path / "bench.json"
+  cli.main(["bench", "--model", tiny_model_dir, "--num-prompts", "3", "--input-len-min", "20",
+            "--input-len-max", "56", "--output-len", "8", "--max-num-seqs", "2",
+            "--max-num-batched-tokens", "32", "--out", str(out), "--kv-transfer-config",
+            '{"prefill_devices": 1, "decode_devices": 1}'])
+  r = json.loads(out.read_text())
+  assert r["completed"] == 3 and r["config"]["kv_transfer_config"]["prefill_devices"] == 1
+  t = r["kv_transfer"]
+  assert t["requests"] == 3 and t["bytes_per_request"]["p50"] > 0
+  assert 0 <= t["queue_s"]["p50"] and 0 < t["prefill_s"]["p50"] and 0 < t["handover_s"]["p50"]
 
 
 def test_pages_copy_between_meshes_and_head_layouts():
