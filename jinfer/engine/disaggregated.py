@@ -7,8 +7,9 @@ engine, which computes its prompt, samples its first token (streamed at once: th
 never waits for the copy) and parks it (`LLMEngine.hand_off_prefilled`). The coordinator then
 gathers the pages the sequence uses on the prefill devices and starts their copy onto the
 least-loaded decode engine's devices (`PageCopier.send`; dispatched, not waited for), and
-releases the prefill pages at once: the gathered copy holds their K/V, so the prefill pool
-never waits on the decode side. When that decode engine is between steps and has room (a free
+releases the prefill pages at once: the gathered copy holds their K/V. At most
+`max_num_seqs` copies wait per decode engine; beyond that sequences stay parked with their
+pages, which holds the prefill side back once its pool fills. When that decode engine is between steps and has room (a free
 seat under `max_num_seqs` and the pages), the staged pages are written into pages of its pool
 (block table translated: the sequence's page list is the new one) and the sequence decodes
 there. Pages the decode pool already caches for the same prefix are shared, not written again.
@@ -140,6 +141,7 @@ class DisaggregatedEngine:
     self._adopts: dict[LLMEngine, list[_Group]] = {e: [] for e in self.prefill}
     self._transfers: collections.deque[_Transfer] = collections.deque()
     self._aborts: set[str] = set()
+    self._resets: dict[LLMEngine, int] = {}  # prefill engines' cache rebuilds seen
     self._outputs: list[RequestOutput] = []  # of requests that failed between steps
     # Seeds drawn as one engine draws them, so unseeded sampling matches the colocated engine.
     self._seed_rng = np.random.default_rng(config.model.seed)
@@ -176,7 +178,8 @@ class DisaggregatedEngine:
   def load(self, engine: LLMEngine) -> int:
     """Sequences an engine holds or will be given."""
     s = engine.scheduler
-    return (len(s.running) + len(s.waiting) + len(self._adds.get(engine, ()))
+    return (len(s.running) + len(s.waiting) + len(engine.handoffs)
+            + len(self._adds.get(engine, ()))
             + len(self._adopts.get(engine, ())) + sum(t.dst is engine for t in self._transfers))
 
   def add_request(self, request_id: str | None, prompt: str | list[int],
@@ -248,6 +251,7 @@ class DisaggregatedEngine:
     self._apply_aborts()
     for e in self.prefill:
       if self._idle(e):
+        self._send_parked(e)
         for group in self._adopts[e]:
           e.adopt(group)
         self._adopts[e].clear()
@@ -266,9 +270,15 @@ class DisaggregatedEngine:
     """After `engine`'s step: start the hand-overs of a prefill engine's finished prompts, or
     send a decode engine's preempted sequences back to be recomputed on the prefill side."""
     if engine.hand_off_prefilled:
-      for seq in engine.handoffs:
-        self._send(engine, seq)
-      engine.handoffs.clear()
+      if engine.runner.cache_resets != self._resets.get(engine, 0):
+        # A failed step took the cache: the parked sequences' K/V went with it.
+        self._resets[engine] = engine.runner.cache_resets
+        for seq in engine.handoffs:
+          engine.blocks.release(seq.pages)
+          seq.pages, seq.num_computed_tokens, seq.status = [], 0, Status.WAITING
+          engine.scheduler.waiting.appendleft(seq)
+        engine.handoffs.clear()
+      self._send_parked(engine)
     else:
       while engine.scheduler.waiting:
         seq = engine.scheduler.waiting.popleft()
@@ -278,9 +288,22 @@ class DisaggregatedEngine:
         self._where[group.request_id] = dst
     return outputs
 
-  def _send(self, src: LLMEngine, seq: Sequence):
+  def _send_parked(self, engine: LLMEngine):
+    """Start the hand-over of a prefill engine's parked sequences while the decode side has
+    room to stage them (at most `max_num_seqs` copies waiting per decode engine). The rest stay
+    parked with their pages, which holds that prefill engine back once its pool fills: staged
+    copies never pile up on the decode devices."""
+    keep = []
+    for seq in engine.handoffs:
+      dst = min(self.decode, key=self.load)
+      if sum(t.dst is dst for t in self._transfers) >= dst.scheduler.config.max_num_seqs:
+        keep.append(seq)
+      else:
+        self._send(engine, seq, dst)
+    engine.handoffs[:] = keep
+
+  def _send(self, src: LLMEngine, seq: Sequence, dst: LLMEngine):
     group = src.groups.pop(seq.group_id)
-    dst = min(self.decode, key=self.load)
     copier = self.copiers[(src, dst)]
     seq.metrics.handoff_time = time.monotonic()
     seq.metrics.transfer_done_time = seq.metrics.decode_start_time = None
@@ -365,6 +388,7 @@ class DisaggregatedEngine:
           adopts.remove(g)
           for seq in g.seqs:
             seq.finish_reason, seq.status = "abort", Status.FINISHED
+        where.handoffs[:] = [q for q in where.handoffs if q.group_id != rid]
         where.abort(rid)
       self._where.pop(rid, None)
       self._aborts.discard(rid)
