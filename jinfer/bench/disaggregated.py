@@ -106,14 +106,17 @@ def main(argv=None):
     t0 = time.monotonic()
     dec_ids = [engine.add_request(None, p, dec_sp) for p in decoders]
     arrivals = [(None, p) for p in longs]
-    long_ids, final, started = [], {}, None
+    long_ids, final, started, first = [], {}, None, set()
     while engine.has_unfinished_requests() or arrivals:
       now = time.monotonic()
-      if started is None and all(r in final or _decoding(engine, r) for r in dec_ids):
+      if started is None and first >= set(dec_ids):
         started = now  # every decoder has its first token: the long prompts start arriving
       if started is not None and arrivals and now >= started + len(long_ids) * args.interval:
         long_ids.append(engine.add_request(None, arrivals.pop(0)[1], long_sp))
-      final.update((o.request_id, o) for o in engine.step() if o.finished)
+      for o in engine.step():
+        first.add(o.request_id)
+        if o.finished:
+          final[o.request_id] = o
     wall = time.monotonic() - t0
     dec = [final[r] for r in dec_ids]
     lng = [final[r] for r in long_ids]
@@ -132,17 +135,6 @@ def main(argv=None):
     engine.close()
     del engine
   emit(report, args.out)
-
-
-def _decoding(engine, request_id: str) -> bool:
-  """The request has its first token (wherever it is)."""
-  for e in getattr(engine, "engines", None) or (
-      engine.prefill + engine.decode if hasattr(engine, "prefill") else [engine]):
-    g = e.groups.get(request_id)
-    if g is not None and g.seqs[0].output_token_ids:
-      return True
-  where = getattr(engine, "_where", {}).get(request_id)
-  return hasattr(where, "seq")  # pages in flight: its first token is out
 
 
 def _load() -> float | None:
