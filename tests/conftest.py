@@ -51,7 +51,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # them by test count), and a long file taken last kept one worker busy for a quarter of a
 # minute after the other ran out of work.
 LONGEST_FIRST = ("test_spec_engine.py", "test_quant_algorithms.py", "test_spec_smollm2.py",
-                 "test_parallel.py",
+                 "test_parallel.py", "test_disaggregated.py",
                  "test_quantized_engine.py", "test_ragged_paged_attention.py",
                  "test_spec_lossless.py", "test_engine.py", "test_model_layout.py",
                  "test_int8_matmul.py", "test_medusa.py", "test_startup.py")
