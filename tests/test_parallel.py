@@ -214,7 +214,7 @@ def test_bytes_per_device(params):
   engine.scheduler.schedule()
   seq = engine.scheduler.running[0]
   per_rank = engine.blocks.num_pages // 2
-  ranks = np.bincount(np.asarray(seq.pages) // per_rank, minlength=2)
+  ranks = np.bincount(np.asarray(seq.pages[0]) // per_rank, minlength=2)
   assert abs(ranks[0] - ranks[1]) <= 1, ranks
 
 
