@@ -8,7 +8,7 @@ runs, give the KV bytes it holds in each group (jinfer/models/kv_groups.py). Wit
 whole context, and the two first tokens and their logprobs are compared. The pool is sized for
 the one sequence (`max_num_seqs=1`), so `kv_cache_bytes` is the memory each engine reserves.
 
-  python -m jinfer.bench.hybrid_kv_cache [--model gemma-3-270m] [--tokens 32767] [--no-baseline]
+  python -m jinfer.bench.hybrid_kv_cache [--model gemma-3-270m] [--tokens 32766] [--no-baseline]
 """
 from __future__ import annotations
 
@@ -31,13 +31,15 @@ def run(model: str, tokens: int, hybrid: bool, chunk: int) -> dict:
   from jinfer.engine.engine import LLMEngine
   from jinfer.engine.engine_config import EngineConfig
   from jinfer.sampling.params import SamplingParams
-  config = EngineConfig.of(max_model_len=tokens + 1, max_num_seqs=1,
+  config = EngineConfig.of(max_model_len=tokens + 2, max_num_seqs=1,
                            max_num_batched_tokens=chunk,
                            disable_hybrid_kv_cache_manager=not hybrid)
   engine = LLMEngine(model, config=config, warmup=False)
   prompt = text_tokens(engine.tokenizer, tokens)
   t0 = time.monotonic()
-  rid = engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=2, logprobs=1))
+  # Two tokens: the sequence still runs (and holds its pages) when the first comes out.
+  rid = engine.add_request(None, prompt, SamplingParams(temperature=0.0, max_tokens=2,
+                                                        logprobs=1))
   while True:
     outs = engine.step()
     if outs and outs[0].outputs[0].token_ids:  # the prompt is in: its whole KV is held
@@ -58,8 +60,8 @@ def main(argv=None):
   ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}",
                                description=__doc__.split("\n\n")[0])
   ap.add_argument("--model", default="gemma-3-270m")
-  ap.add_argument("--tokens", type=int, default=32767,
-                  help="the prompt's length (default: Gemma-3-270M's context less the answer)")
+  ap.add_argument("--tokens", type=int, default=32766,
+                  help="the prompt's length (default: Gemma-3-270M's context less two tokens of answer)")
   ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens")
   ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                   help="also run with every layer keeping the whole context")
