@@ -247,9 +247,8 @@ class DraftModelProposer(Proposer):
       slots[i, :len(later)] = pages[later // ps] * ps + later % ps
       later_lens[i, :len(later)] = later + 1
     cu[len(batch.seqs) + 1:] = off
-    # The draft's cache has a slot per layer and reads the target's first KV group's pages
-    # (full attention where any layer has it, see kv_groups.py): its own layers' windows, if
-    # any, mask the keys, and a window group's pages are there while the target's are.
+    # The draft's cache has a slot per layer and uses the pages of the target's first KV group
+    # (its full-attention group, where the target has one; see kv_groups.py).
     md = inp.md.replace(slot_mapping=slot_mapping, block_table=inp.md.block_table[0],
                         kv_lens=kv_lens, cu_q_lens=cu, verify_width=2, tree_mask=None)
     return DraftInput(token_ids=token_ids, positions=positions, md=md, logits_indices=last,
