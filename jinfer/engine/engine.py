@@ -697,8 +697,9 @@ class LLMEngine:
     used = 0  # computed tokens in those pages
     for i, seq in enumerate(running):
       for g, pages in enumerate(seq.pages):
-        present[i, g] = sum(p >= 0 for p in pages)
-        used += seq.num_computed_tokens - ps * (len(pages) - int(present[i, g]))
+        absent = pages.count(-1)
+        present[i, g] = len(pages) - absent
+        used += seq.num_computed_tokens - ps * absent
     held = int(present.sum()) * ps
     page_bytes = spec.bytes_per_token * ps
     return EngineStats(

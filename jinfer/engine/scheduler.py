@@ -95,12 +95,14 @@ class Scheduler:
     """Pages for `num_new` more tokens in every group, all or none."""
     # Window groups first give back what the step's first row (or a draft model's first
     # catch-up row, which trails it) no longer sees.
+    # The pages given back are always a prefix: walk back from the window's start to it.
     first = seq.num_computed_tokens - seq.draft_lag
     for g, pages in enumerate(seq.pages):
-      for i in range(self.blocks.first_visible(g, first)):
-        if pages[i] >= 0:
-          self.blocks.release([pages[i]])
-          pages[i] = -1
+      i = min(self.blocks.first_visible(g, first), len(pages)) - 1
+      while i >= 0 and pages[i] >= 0:
+        self.blocks.release([pages[i]])
+        pages[i] = -1
+        i -= 1
     total = self.blocks.pages_needed(seq.num_computed_tokens + num_new)
     need = [max(0, total - len(pages)) for pages in seq.pages]
     if not any(need):
