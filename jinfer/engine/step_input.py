@@ -205,9 +205,14 @@ def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
         if m:
           a["positions"][off + n - m - 1:off + n] = start + n - m - 1 + b.tree.depth[:m + 1]
           a["tree_mask"][off + n - m - 1:off + n, :m + 1] = b.tree.visible[:m + 1, :m + 1]
-      pages = np.asarray(seq.pages, np.int32)  # [G, pages]: every group's list is as long
-      a["slot_mapping"][:, off:off + n] = pages[:, pos // page_size] * page_size + pos % page_size
-      a["block_table"][:, i, :pages.shape[1]] = pages
+      for g, pages in enumerate(seq.pages):
+        # Only a group's present pages are converted: a window group's long run of pages
+        # given back (-1) is a prefix, filled in one slice.
+        lo = _pages_given_back(pages)
+        row = a["block_table"][g, i]
+        row[:lo] = -1
+        row[lo:len(pages)] = pages[lo:]
+        a["slot_mapping"][g, off:off + n] = row[pos // page_size] * page_size + pos % page_size
       a["kv_lens"][i] = start + n
       off += n
       a["cu_q_lens"][i + 1] = off
@@ -263,6 +268,17 @@ def draft_prefixes(drafts: list[int], m: int, tree: Tree | None) -> list[list[in
   if tree is None:
     return [list(drafts[:j]) for j in range(m + 1)]
   return [[drafts[node - 1] for node in tree.path[j, 1:tree.depth[j] + 1]] for j in range(m + 1)]
+
+
+def _pages_given_back(pages: list[int]) -> int:
+  """How many leading entries of a group's pages are -1 (a window group's pages given back are
+  a prefix): found from the end, so the cost is the pages still held."""
+  if not pages or pages[0] >= 0:
+    return 0
+  i = len(pages)
+  while pages[i - 1] >= 0:
+    i -= 1
+  return i
 
 
 def _has_penalty(seq: Sequence) -> bool:
