@@ -62,7 +62,9 @@ class Sequence:
   output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
   # One entry per prompt token (the first has no context: None), when asked for.
   prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)
-  pages: list[int] = dataclasses.field(default_factory=list)
+  # Per KV group, the pages by position (-1: given back by a window group); empty while the
+  # sequence holds none.
+  pages: list[list[int]] = dataclasses.field(default_factory=list)
   num_computed_tokens: int = 0
   num_cached_tokens: int = 0  # prompt tokens served by the prefix cache, first admission
   # Speculative decoding with a draft model: how many of the computed tokens the draft's KV cache
