@@ -15,6 +15,7 @@ group the pages a query at position h * page_size still sees; the longest such h
 from __future__ import annotations
 
 import collections
+import functools
 
 from pallas_kernels.kv_cache_layout import SINK_PAGE
 
@@ -61,14 +62,19 @@ class BlockManager:
     return 0 if w is None else max(0, position - w + 1) // self.page_size
 
   # -- prefix cache -------------------------------------------------------------------------
-  def chain_hashes(self, tokens: list[int], salt, num_pages: int) -> list[int]:
-    hashes, parent = [], None
-    for i in range(num_pages):
-      parent = hash((parent, tuple(tokens[i * self.page_size:(i + 1) * self.page_size]), salt))
-      hashes.append(parent)
-    return hashes
+  def chain_hashes(self, tokens: list[int], salt, num_pages: int,
+                   known: list[int] | None = None) -> list[int]:
+    """The hash chain of the first `num_pages` full pages of `tokens`. `known`: the chain of a
+    prefix of them (a sequence's, whose tokens only grow), extended in place."""
+    hashes = [] if known is None else known
+    for i in range(len(hashes), num_pages):
+      parent = hashes[-1] if hashes else None
+      hashes.append(hash((parent, tuple(tokens[i * self.page_size:(i + 1) * self.page_size]),
+                          salt)))
+    return hashes[:num_pages]
 
-  def match_prefix(self, tokens: list[int], salt=None) -> list[list[int]]:
+  def match_prefix(self, tokens: list[int], salt=None,
+                   known: list[int] | None = None) -> list[list[int]]:
     """Each group's cached pages holding the longest prefix of `tokens` every group can serve
     (see the module docstring), a reference taken on each; -1 where a window group needs none.
 
@@ -78,39 +84,48 @@ class BlockManager:
     if not self.enable_prefix_caching:
       return pages
     self.prefix_queries += len(tokens)
-    hashes = self.chain_hashes(tokens, salt, (len(tokens) - 1) // self.page_size)
+    hashes = self.chain_hashes(tokens, salt, (len(tokens) - 1) // self.page_size, known)
 
-    def cached(g: int, i: int) -> int | None:
+    @functools.cache
+    def cached(g: int, i: int) -> int | None:  # group g's page holding page i's tokens
       page = self.by_hash.get((g, hashes[i]))
       chunk = tuple(tokens[i * self.page_size:(i + 1) * self.page_size])
       return None if page is None or self.page_key[page][1:] != (chunk, salt) else page
 
-    found = [[cached(g, i) for i in range(len(hashes))] for g in range(len(self.windows))]
-    # The longest prefix of pages every full group holds, then the longest no longer than that
-    # whose window every window group holds.
+    # The longest prefix of pages every full group holds; then, while some window group lacks a
+    # page its window at h needs, no hit reaches past that page. Pages are looked at from the
+    # hit's end down, so a window group looks at about its window's pages.
     h = len(hashes)
     for g, w in enumerate(self.windows):
       if w is None:
-        h = next((i for i, page in enumerate(found[g]) if page is None), h)
-    while h and any(
-        page is None for g, w in enumerate(self.windows) if w is not None
-        for page in found[g][self.first_visible(g, h * self.page_size):h]):
-      h -= 1
+        h = next((i for i in range(h) if cached(g, i) is None), h)
+    settled = False
+    while not settled:
+      settled = True
+      for g, w in enumerate(self.windows):
+        i = h - 1
+        while w is not None and i >= self.first_visible(g, h * self.page_size):
+          if cached(g, i) is None:
+            h, settled = i, False
+          i -= 1
     for g in range(len(self.windows)):
       lo = self.first_visible(g, h * self.page_size)
-      pages[g] = [-1] * lo + found[g][lo:h]
+      pages[g] = [-1] * lo + [cached(g, i) for i in range(lo, h)]
       for page in pages[g][lo:]:
         self._take(page)
     self.prefix_hits += h * self.page_size
     return pages
 
   def cache_full_pages(self, pages: list[list[int]], tokens: list[int], num_computed: int,
-                       salt=None):
-    """Register each group's pages whose every token is now in the cache."""
-    if not self.enable_prefix_caching:
-      return
+                       salt=None, known: list[int] | None = None, start: int = 0) -> int:
+    """Register each group's pages whose every token is now in the cache, from page `start`
+    (those before were offered already); returns how many pages are full."""
     full = num_computed // self.page_size
-    for i, h in enumerate(self.chain_hashes(tokens, salt, full)):
+    if not self.enable_prefix_caching:
+      return full
+    hashes = self.chain_hashes(tokens, salt, full, known)
+    for i in range(start, full):
+      h = hashes[i]
       for g, group_pages in enumerate(pages):
         page = group_pages[i]
         # Skipped: a page a window group gave back, one cached already, or the same content
@@ -120,6 +135,7 @@ class BlockManager:
         self.page_key[page] = ((g, h), tuple(tokens[i * self.page_size:(i + 1) * self.page_size]),
                                salt)
         self.by_hash[g, h] = page
+    return full
 
   def forget_cached(self):
     """Drop every prefix-cache entry: the KV they pointed to is gone (the cache was rebuilt)."""

@@ -476,8 +476,9 @@ class LLMEngine:
   def _cache_pages(self, seq: Sequence):
     """Offer the sequence's full pages to the prefix cache: only tokens whose K/V both the
     target's and any draft model's caches hold."""
-    self.blocks.cache_full_pages(seq.pages, seq.token_ids,
-                                 seq.num_computed_tokens - seq.draft_lag, seq.cache_salt)
+    seq.pages_offered = self.blocks.cache_full_pages(
+        seq.pages, seq.token_ids, seq.num_computed_tokens - seq.draft_lag, seq.cache_salt,
+        seq.page_hashes, seq.pages_offered)
 
   def _cache_resets(self) -> int:
     return self.runner.cache_resets + (self.proposer.cache_resets if self.proposer else 0)

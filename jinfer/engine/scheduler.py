@@ -89,7 +89,7 @@ class Scheduler:
   def _release(self, seq: Sequence):
     for pages in seq.pages:
       self.blocks.release(pages)
-    seq.pages = []
+    seq.pages, seq.pages_offered = [], 0
 
   def _grow(self, seq: Sequence, num_new: int) -> bool:
     """Pages for `num_new` more tokens in every group, all or none."""
@@ -142,8 +142,9 @@ class Scheduler:
     if seq.params.prompt_logprobs is not None:
       seq.pages = [[] for _ in self.blocks.windows]
       return
-    seq.pages = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
-    seq.num_computed_tokens = len(seq.pages[0]) * self.blocks.page_size
+    seq.pages = self.blocks.match_prefix(seq.token_ids, seq.cache_salt, seq.page_hashes)
+    seq.pages_offered = len(seq.pages[0])  # cached already
+    seq.num_computed_tokens = seq.pages_offered * self.blocks.page_size
     seq.draft_lag = 0
     if seq.metrics.first_scheduled_time is None:
       seq.num_cached_tokens = seq.num_computed_tokens
