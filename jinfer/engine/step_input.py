@@ -2,10 +2,10 @@
 
 Shapes come from a finite bucket set: `T` a power of two up to `max_num_batched_tokens`,
 `S = min(T, max_num_seqs)`, `P = max_pages_per_seq`; the attention metadata's block table
-[G, S, P] and slot mapping [G, T] have one row per KV group (`jinfer/models/kv_groups.py`). The attention's loops run as far as the
-step's real sequences need (a decode-only step skips the prefill ones), so one compiled shape
-per `T` serves decode and mixed steps alike. Padding rows write to the sink page and are never
-read.
+[G, S, P] and slot mapping [G, T] have one row per KV group (`jinfer/models/kv_groups.py`).
+The attention's loops run as far as the step's real sequences need (a decode-only step skips
+the prefill ones), so one compiled shape per `T` serves decode and mixed steps alike. Padding
+rows write to the sink page and are never read.
 
 With speculative decoding (k drafts), a step where some sequence verifies drafts is a verify
 step, a second variant per `T`: each such sequence's rows are `[last, d1..dm]` (m <= k, verify
