@@ -61,7 +61,8 @@ def main(argv=None):
                                description=__doc__.split("\n\n")[0])
   ap.add_argument("--model", default="gemma-3-270m")
   ap.add_argument("--tokens", type=int, default=32766,
-                  help="the prompt's length (default: Gemma-3-270M's context less two tokens of answer)")
+                  help="the prompt's length (default: Gemma-3-270M's context, less two tokens "
+                       "of answer)")
   ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens")
   ap.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                   help="also run with every layer keeping the whole context")
