@@ -6,7 +6,9 @@ layer writes its new K/V in place and the kernels read pages straight out of it 
 `[layer, page]` — no layer's slice is ever copied out. A page of one layer and one KV head is a
 contiguous `[page_size, head_dim]` tile, so a kernel DMAs it with a plain (unstrided) copy and
 the interpreter's no-strided-load limit never bites. Page 0 is the sink: padding tokens write
-there and no block table entry ever reads it.
+there and no block table entry ever reads it. The leading axis is really a layer *slot*: an
+engine may put several layers in one slot when they use disjoint pages (each layer's `layer`
+index and block table say which), and a kernel never needs to know.
 
 Quantized caches (vLLM's `kv_cache_dtype` "int8" and "fp8") are a `QuantizedKVCache`, one pytree
 of two arrays carried and donated together:

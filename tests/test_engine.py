@@ -234,7 +234,8 @@ def test_prompt_logprobs_match_the_model(loaded):
   assert final[other].prompt_logprobs is None
   assert len(plp) == len(prompt) and plp[0] is None
   # Reference: the model's own logits over the whole prompt in one pass.
-  logits = PagedBatch(eng.runner.model, eng.runner.params, 1, 8, 64).step([prompt], all_rows=True)
+  model = eng.runner.model.clone(kv_groups=None)  # for one table, as PagedBatch builds
+  logits = PagedBatch(model, eng.runner.params, 1, 8, 64).step([prompt], all_rows=True)
   lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
   for p in range(1, len(prompt)):
     assert len(plp[p]) in (3, 4) and prompt[p] in plp[p]

@@ -129,7 +129,8 @@ class _AddAbortStep(RuleBasedStateMachine):
   def pages_accounted_for(self):
     sched, blocks = self.engine.scheduler, self.engine.blocks
     blocks.check_consistency()
-    held = collections.Counter(p for s in [*sched.running, *sched.waiting] for p in s.pages)
+    held = collections.Counter(p for s in [*sched.running, *sched.waiting]
+                               for group in s.pages for p in group if p >= 0)
     assert all(blocks.ref[p] == held[p] for p in range(1, blocks.num_pages))
     assert set(self.engine.groups) == self.live
 

@@ -154,23 +154,48 @@ def test_multimodal_checkpoint_loads_its_text_stack(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_engine_greedy_matches_hf(tiny_gqa):
-  """Through the engine (paged cache, chunked prefill of a prompt longer than the window, the
-  engine's own bucketing): greedy tokens equal transformers' greedy generation."""
+  """Through the engine's hybrid KV cache (a full group and two window groups, each window
+  group giving back pages that left its window) under chunked prefill of prompts longer than
+  the window, a pool small enough to preempt, and prefix-cache hits that need a window group's
+  pages: greedy tokens equal transformers' greedy generation, and no window group ever holds
+  more pages than its window and one step's rows need."""
   from jinfer.sampling.params import SamplingParams
-  from tests.engine_fixtures import make_engine, run_tokens
+  from tests.engine_fixtures import make_engine
   hf, config, params, _ = tiny_gqa
+  budget = 16
+  # One sequence of max_model_len needs 16 pages in the full group and 7 in each window group.
   engine = make_engine((config, params, None), warmup=False, max_model_len=64, page_size=4,
-                       num_pages=40, max_num_seqs=4, max_num_batched_tokens=16)
+                       num_pages=31, max_num_seqs=4, max_num_batched_tokens=budget)
+  assert engine.config.kv_groups.windows == (None, WINDOW, WINDOW)
+  window_pages = -(-(WINDOW - 1 + budget) // 4) + 1
   rng = np.random.default_rng(3)
-  prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (6, 29)]
-  new = 6
-  got = run_tokens(engine, prompts, SamplingParams(temperature=0.0, max_tokens=new,
-                                                   ignore_eos=True))
-  for prompt, tokens in zip(prompts, got):
-    seq = list(prompt)
-    for _ in range(new):  # transformers' greedy choice, EOS included (the engine ignores EOS)
-      seq.append(int(np.argmax(_hf_logits(hf, seq)[-1])))
-    assert tokens == seq[len(prompt):]
+  first = [rng.integers(0, config.vocab_size, n).tolist() for n in (29, 6, 33, 25)]
+  # Then prompts sharing the first one's first 24 tokens (6 pages: the window groups' hit needs
+  # pages 4 and 5, long given back by the first prompt's sequence) and a fresh one.
+  second = [first[0][:24] + rng.integers(0, config.vocab_size, n).tolist() for n in (3, 9)]
+  second.append(rng.integers(0, config.vocab_size, 30).tolist())
+  params_ = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+  for prompts in (first, second):
+    rids = [engine.add_request(None, p, params_) for p in prompts]
+    final, most = {}, 0.0
+    while engine.has_unfinished_requests():
+      for o in engine.step():
+        final[o.request_id] = o
+      stats = engine.stats()
+      assert max(stats.kv_bytes_per_seq[1:], default=0) <= window_pages * (
+          stats.kv_bytes_per_token * 4 // 3)  # a page of one group holds one of 3 layers
+      most = max(most, stats.kv_bytes_per_seq[0] - stats.kv_bytes_per_seq[1])
+    assert most > 0, "the full group was meant to hold more than a window group"
+    for prompt, rid in zip(prompts, rids):
+      seq = list(prompt)
+      for _ in range(6):  # transformers' greedy choice, EOS included (the engine ignores EOS)
+        seq.append(int(np.argmax(_hf_logits(hf, seq)[-1])))
+      assert final[rid].outputs[0].token_ids == seq[len(prompt):]
+  stats = engine.stats()
+  assert stats.num_preemptions > 0, "the pool was meant to force preemption"
+  assert engine.blocks.prefix_hits >= 2 * 24
+  engine.blocks.check_consistency()
+  assert engine.blocks.num_free_pages == engine.blocks.num_usable_pages
 
 
 def _sentencepiece_vocab(size: int) -> tuple[list[str], list[float], list[int]]:

@@ -48,7 +48,7 @@ def test_int8_perplexity_within_two_percent():
   eng = llm.engine
   # A fixed English text that ships with every CPython.
   ids = llm.tokenizer.encode(topics["assignment"])[:512]
-  base = _perplexity(eng.runner.model, eng.runner.params, ids)
+  base = _perplexity(eng.runner.model.clone(kv_groups=None), eng.runner.params, ids)
   ppl = {}
   for mode in ("int8", "w8a8"):
     model = CausalLM(eng.model_config, KernelOptions(quantization=mode))

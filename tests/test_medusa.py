@@ -132,7 +132,9 @@ def test_tree_rows_equal_decoding_each_path_alone(tiny_model, attention):
     d = int(tree.depth[best])
     out = type("Out", (), {"path": jnp.asarray(tree.path[best])[None],
                            "num_accepted": jnp.asarray([d])})
-    cache = keep_path(cache, md.replace(cu_q_lens=jnp.asarray([0, rows], jnp.int32)), out)
+    # The engine's metadata has a slot mapping per KV group: this model's one group.
+    cache = keep_path(cache, md.replace(cu_q_lens=jnp.asarray([0, rows], jnp.int32),
+                                        slot_mapping=md.slot_mapping[None]), out)
     path = [tokens[j] for j in tree.path[best][1:]]
     nxt = int(rng.integers(3, 49000))
     got, _, _ = _forward(model, params, cache, [nxt], [n + d + 1], [slot(n + d + 1)], n + d + 2)

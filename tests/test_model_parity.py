@@ -97,3 +97,40 @@ def test_chunked_prefill_matches_hf(tiny_model):
   logits = step([prompt[32:], [7]])
   np.testing.assert_allclose(logits[0], _hf_logits(hf, prompt)[-1], atol=1e-4, rtol=0)
   np.testing.assert_allclose(logits[1], _hf_logits(hf, other + [5, 7])[-1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_engine_sliding_window_model_pages_its_window(tmp_path_factory):
+  """Mistral, every layer windowed: the engine's one KV group gives back the pages that left
+  the window (never holding more than the window and a step's rows need), and greedy tokens
+  still equal transformers'."""
+  from jinfer.sampling.params import SamplingParams
+  from tests.engine_fixtures import make_engine
+  cls, extra = CONFIGS["mistral-sliding-window"]
+  torch.manual_seed(0)
+  hf = transformers.AutoModelForCausalLM.from_config(cls(**_COMMON, **extra),
+                                                     dtype=torch.float32).eval()
+  path = tmp_path_factory.mktemp("mistral-engine")
+  hf.save_pretrained(path)
+  config = ModelConfig.from_hf_dir(str(path))
+  engine = make_engine((config, load_safetensors_dir(str(path), config), None), warmup=False,
+                       max_model_len=64, page_size=PAGE_SIZE, max_num_seqs=2,
+                       max_num_batched_tokens=8)
+  assert engine.config.kv_groups.windows == (12,)
+  most_pages = -(-(12 - 1 + 8) // PAGE_SIZE) + 1
+  rng = np.random.default_rng(4)
+  prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (40, 23)]
+  sp = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True)
+  rids = [engine.add_request(None, p, sp) for p in prompts]
+  final, given_back = {}, 0
+  while engine.has_unfinished_requests():
+    final.update((o.request_id, o) for o in engine.step())
+    for seq in engine.scheduler.running:
+      assert sum(p >= 0 for p in seq.pages[0]) <= most_pages
+      given_back = max(given_back, seq.pages[0].count(-1))
+  assert given_back >= 6
+  for prompt, rid in zip(prompts, rids):
+    seq = list(prompt)
+    for _ in range(DECODE_STEPS):
+      seq.append(int(np.argmax(_hf_logits(hf, seq)[-1])))
+    assert final[rid].outputs[0].token_ids == seq[len(prompt):]

@@ -10,12 +10,14 @@ import pytest
 from jinfer.engine.block_manager import BlockManager
 from jinfer.engine.request import RequestMetrics, Sequence, Status
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jinfer.models.kv_groups import KVGroups
 from jinfer.sampling.params import SamplingParams
 
 
 def _check(sched: Scheduler, blocks: BlockManager, batch, cfg: SchedulerConfig):
   blocks.check_consistency()
-  holders = collections.Counter(p for s in sched.running for p in s.pages)
+  holders = collections.Counter(p for s in sched.running for group in s.pages for p in group
+                                if p >= 0)
   for page, n in holders.items():  # a page is referenced once per sequence holding it
     assert blocks.ref[page] == n, f"page {page}: ref {blocks.ref[page]}, held by {n}"
   for p in range(1, blocks.num_pages):
@@ -28,7 +30,12 @@ def _check(sched: Scheduler, blocks: BlockManager, batch, cfg: SchedulerConfig):
   assert len({id(s) for s in batch.seqs}) == len(batch.seqs)
   for s, n in zip(batch.seqs, batch.num_new_tokens):
     assert s.status is Status.RUNNING and 1 <= n <= s.num_tokens - s.num_computed_tokens
-    assert len(s.pages) * blocks.page_size >= s.num_computed_tokens + n  # room for this step
+    end = blocks.pages_needed(s.num_computed_tokens + n)
+    for g, pages in enumerate(s.pages):
+      # Every page the step's rows see or write, and no page a window group has left behind.
+      first = blocks.first_visible(g, s.num_computed_tokens)
+      assert len(pages) == end and min(pages[first:end]) > 0
+      assert all(p == -1 for p in pages[:first])
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -40,8 +47,14 @@ def test_random_operations_keep_every_invariant(seed):
                         max_num_batched_tokens=int(rng.choice([8, 16, 32, 64])),
                         max_prefill_seqs=int(rng.integers(1, 4)))
   max_pages_per_seq = max_len // page_size
-  num_pages = 1 + max_pages_per_seq + int(rng.integers(0, 3 * max_pages_per_seq))
-  blocks = BlockManager(num_pages, page_size, enable_prefix_caching=bool(rng.random() < 0.8))
+  # One full-attention group, a mix of full and sliding-window groups, or windows only.
+  window = int(rng.integers(1, 3 * page_size))
+  windows = [(None,), (None, window, window), (window,)][seed % 3]
+  longest = KVGroups(((0,),) * len(windows), windows).page_need(
+      max_len, page_size, cfg.max_num_batched_tokens)  # one sequence always fits
+  num_pages = 1 + longest + int(rng.integers(0, 3 * max_pages_per_seq))
+  blocks = BlockManager(num_pages, page_size, enable_prefix_caching=bool(rng.random() < 0.8),
+                        windows=windows)
   sched = Scheduler(cfg, blocks, max_pages_per_seq)
   shared = rng.integers(0, 50, 40).tolist()  # common prefixes make prefix-cache hits
   live: list[Sequence] = []

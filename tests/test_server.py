@@ -475,6 +475,9 @@ def test_metrics(server, client):
                 "jinfer_kv_cache_usage_perc", "jinfer_prefix_cache_hit_rate"):
     assert families[gauge].type == "gauge"
   assert 0 < value("jinfer_prefix_cache_hit_rate") <= 1  # the same prompt came many times
+  # Idle: the one KV group (a model without windows) holds nothing.
+  assert [(s.labels["window"], s.value) for s in
+          families["jinfer_kv_cache_bytes_per_seq"].samples] == [("none", 0.0)]
   assert families["jinfer_num_preemptions"].type == "counter"
   # Requests served while the background compiler was (or had been) at work: none compiled.
   assert value("jinfer_compiles_after_startup", "_total") == 0

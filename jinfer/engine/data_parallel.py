@@ -161,7 +161,10 @@ class DataParallelEngine:
         prompt_tokens=total("prompt_tokens"), generation_tokens=total("generation_tokens"),
         num_steps=max(s.num_steps for s in per), weight_bytes=total("weight_bytes"),
         kv_cache_bytes=total("kv_cache_bytes"), kv_bytes_per_token=per[0].kv_bytes_per_token,
-        kv_pages_per_gib=per[0].kv_pages_per_gib,
+        kv_pages_per_gib=per[0].kv_pages_per_gib, kv_group_windows=per[0].kv_group_windows,
+        kv_bytes_per_seq=tuple(
+            sum(s.kv_bytes_per_seq[g] * s.num_running for s in per) / max(1, total("num_running"))
+            for g in range(len(per[0].kv_bytes_per_seq))),
         compiles_after_startup=total("compiles_after_startup"),
         buckets_compiled=min(s.buckets_compiled for s in per), buckets_total=per[0].buckets_total)
 

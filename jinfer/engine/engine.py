@@ -70,6 +70,10 @@ class EngineStats:
   # how many pages of the cache fit in a GiB.
   kv_bytes_per_token: int
   kv_pages_per_gib: float
+  # The KV groups (jinfer/models/kv_groups.py): each one's sliding window (None: full
+  # attention), and the KV bytes a running sequence holds in each, on average.
+  kv_group_windows: tuple[int | None, ...] = ()
+  kv_bytes_per_seq: tuple[float, ...] = ()
   # Compiles (or loads from the compilation cache) on the serving path after startup: each one
   # stalled every request; the recompile guard logs them with the step's shape.
   compiles_after_startup: int = 0
@@ -128,7 +132,8 @@ class LLMEngine:
     par = config.parallel
     self.blocks = BlockManager(config.num_pages, config.cache.page_size,
                                config.cache.enable_prefix_caching,
-                               num_ranks=par.context_parallel_size)
+                               num_ranks=par.context_parallel_size,
+                               windows=config.kv_groups.windows)
     # The step carries a structured-output mask over the model's logits: [S, ceil(V / 32)].
     self.buckets = dataclasses.replace(config.buckets(), vocab_size=model_config.vocab_size)
     self.grammars = (GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_ids)
@@ -172,7 +177,8 @@ class LLMEngine:
       self.spec_stats = SpecStats(self.proposer.max_depth)
     del params  # the proposer took what it shares; the runner keeps the params it runs
     self.runner = ModelRunner(run_config, run_params, config.kv_spec(run_config),
-                              self.buckets, kernels=kernels, dtype=dtype,
+                              self.buckets, kv_groups=config.kv_groups, kernels=kernels,
+                              dtype=dtype,
                               unrolled_max_tokens=config.unrolled_max_tokens(), mesh=mesh,
                               expert_parallel=par.enable_expert_parallel,
                               in_step=self.proposer and self.proposer.in_step,
@@ -497,8 +503,9 @@ class LLMEngine:
   def _cache_pages(self, seq: Sequence):
     """Offer the sequence's full pages to the prefix cache: only tokens whose K/V both the
     target's and any draft model's caches hold."""
-    self.blocks.cache_full_pages(seq.pages, seq.token_ids,
-                                 seq.num_computed_tokens - seq.draft_lag, seq.cache_salt)
+    seq.pages_offered = self.blocks.cache_full_pages(
+        seq.pages, seq.token_ids, seq.num_computed_tokens - seq.draft_lag, seq.cache_salt,
+        seq.page_hashes, seq.pages_offered)
 
   def _cache_resets(self) -> int:
     return self.runner.cache_resets + (self.proposer.cache_resets if self.proposer else 0)
@@ -712,9 +719,17 @@ class LLMEngine:
   # -- numbers ------------------------------------------------------------------------------
   def stats(self) -> EngineStats:
     running = self.scheduler.running
-    held = sum(len(s.pages) for s in running) * self.config.cache.page_size
-    used = sum(s.num_computed_tokens for s in running)
-    b, spec = self.blocks, self.runner.spec
+    b, spec, ps = self.blocks, self.runner.spec, self.config.cache.page_size
+    groups = self.config.kv_groups
+    present = np.zeros((len(running), groups.num_groups))  # pages each sequence holds per group
+    used = 0  # computed tokens in those pages
+    for i, seq in enumerate(running):
+      for g, pages in enumerate(seq.pages):
+        absent = pages.count(-1)
+        present[i, g] = len(pages) - absent
+        used += seq.num_computed_tokens - ps * absent
+    held = int(present.sum()) * ps
+    page_bytes = spec.bytes_per_token * ps
     return EngineStats(
         num_running=len(running), num_waiting=len(self.scheduler.waiting),
         kv_utilization=used / held if held else 0.0,
@@ -723,8 +738,11 @@ class LLMEngine:
         num_preemptions=self.scheduler.num_preemptions, prompt_tokens=self.prompt_tokens,
         generation_tokens=self.generation_tokens, num_steps=self.num_steps,
         weight_bytes=self.runner.weight_bytes, kv_cache_bytes=self.runner.kv_cache_bytes,
-        kv_bytes_per_token=spec.bytes_per_token,
-        kv_pages_per_gib=2**30 / (spec.bytes_per_token * spec.page_size),
+        # as if every layer kept the token: a group's slots are its layers
+        kv_bytes_per_token=spec.bytes_per_token * self.model_config.num_layers // groups.num_slots,
+        kv_pages_per_gib=2**30 / page_bytes, kv_group_windows=groups.windows,
+        kv_bytes_per_seq=tuple(float(x) for x in (present.mean(0) if running else
+                                                  np.zeros(groups.num_groups)) * page_bytes),
         compiles_after_startup=self.guard.count, buckets_compiled=len(self.compiler.ready),
         buckets_total=len(self.compiler.buckets),
         expert_load=(None if self.expert_tokens is None else

@@ -25,6 +25,7 @@ from jinfer.engine.speculative.config import SpeculativeConfig
 from jinfer.engine.step_input import Buckets
 from jinfer.errors import ParameterError
 from jinfer.models.kernel_options import QUANTIZATIONS, KernelOptions
+from jinfer.models.kv_groups import KVGroups
 from jinfer.parallel.mesh import ParallelConfig
 from pallas_kernels import KVCacheSpec
 
@@ -80,6 +81,10 @@ class CacheConfig:
   # What the KV cache stores: "auto" (the model's dtype), "int8" (a scale per token and KV
   # head, stored with its page) or "fp8" (e4m3, where the platform has it).
   kv_cache_dtype: str = "auto"
+  # True: every layer keeps the whole context's pages. False (default): sliding-window layers
+  # page as their own KV groups and give back the pages that left their window (Gemma-3,
+  # Mistral; see jinfer/models/kv_groups.py).
+  disable_hybrid_kv_cache_manager: bool = False
 
   def __post_init__(self):
     if self.page_size < 1:
@@ -208,9 +213,11 @@ class EngineConfig:
     defaults = PLATFORM_DEFAULTS.get(platform, CPU_DEFAULTS)
     k = config.kernels
     pages_per_seq = -(-max_len // config.cache.page_size)
+    groups = KVGroups.of(model, max_len, hybrid=not config.cache.disable_hybrid_kv_cache_manager)
     return ResolvedConfig(
         config=config, platform=platform, dtype=dtype or default_dtype(platform),
-        max_pages_per_seq=pages_per_seq, num_pages=_num_pages(config, pages_per_seq),
+        max_pages_per_seq=pages_per_seq, kv_groups=groups,
+        num_pages=_num_pages(config, groups),
         attention_backend=k.attention_backend or defaults[0],
         matmul_backend=k.matmul_backend or defaults[1],
         grouped_matmul_backend=k.grouped_matmul_backend or defaults[2])
@@ -223,6 +230,7 @@ class ResolvedConfig:
   platform: str
   dtype: Any
   max_pages_per_seq: int
+  kv_groups: KVGroups
   num_pages: int  # of one engine's pool (over all its context ranks: a multiple of their number)
   attention_backend: str
   matmul_backend: str
@@ -250,6 +258,7 @@ class ResolvedConfig:
                    # every bucket a multiple of 2 x CP (each rank holds two chunks).
                    smallest_bucket=1 if cp == 1 else 2 * cp,
                    num_speculative_tokens=self.num_draft_rows,
+                   num_kv_groups=self.kv_groups.num_groups,
                    tree=None if self.speculative is None else self.speculative.tree())
 
   def unrolled_max_tokens(self) -> int:
@@ -276,7 +285,7 @@ class ResolvedConfig:
     return KV_STORAGE_DTYPES.get(self.cache.kv_cache_dtype, self.dtype)
 
   def kv_spec(self, model: ModelConfig) -> KVCacheSpec:
-    return KVCacheSpec(num_layers=model.num_layers, num_pages=self.num_pages,
+    return KVCacheSpec(num_layers=self.kv_groups.num_slots, num_pages=self.num_pages,
                        page_size=self.cache.page_size, num_kv_heads=model.num_kv_heads,
                        head_dim=model.head_dim, dtype=self.kv_dtype)
 
@@ -294,17 +303,21 @@ class ResolvedConfig:
                          expert_parallel=self.parallel.enable_expert_parallel)
 
 
-def _num_pages(config: EngineConfig, pages_per_seq: int) -> int:
-  n = config.cache.num_pages
+def _num_pages(config: EngineConfig, groups: KVGroups) -> int:
+  """The pool's pages: `num_pages`, or room for `max_num_seqs` sequences of half
+  `max_model_len`; either way, room for one sequence of `max_model_len`."""
+  n, c = config.cache.num_pages, config
+  need = lambda tokens: groups.page_need(tokens, c.cache.page_size,
+                                         c.scheduler.max_num_batched_tokens)
+  longest = need(c.model.max_model_len)
   if n is not None:
-    if n - 1 < pages_per_seq:
+    if n - 1 < longest:
       raise ParameterError("num_pages", f"num_pages={n} cannot hold one sequence of "
-                                        f"max_model_len={config.model.max_model_len} "
-                                        f"({pages_per_seq} pages + the sink page)")
+                                        f"max_model_len={c.model.max_model_len} "
+                                        f"({longest} pages + the sink page)")
   else:
-    half = -(-config.model.max_model_len // 2 // config.cache.page_size)
-    n = 1 + max(pages_per_seq, config.scheduler.max_num_seqs * half)
-  cp = config.parallel.context_parallel_size
+    n = 1 + max(longest, c.scheduler.max_num_seqs * need(c.model.max_model_len // 2))
+  cp = c.parallel.context_parallel_size
   return -(-n // cp) * cp
 
 

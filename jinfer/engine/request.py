@@ -69,7 +69,13 @@ class Sequence:
   output_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
   # One entry per prompt token (the first has no context: None), when asked for.
   prompt_logprobs: list[dict[int, float] | None] = dataclasses.field(default_factory=list)
-  pages: list[int] = dataclasses.field(default_factory=list)
+  # Per KV group, the pages by position (-1: given back by a window group); empty while the
+  # sequence holds none.
+  pages: list[list[int]] = dataclasses.field(default_factory=list)
+  # The prefix cache's hash chain over the sequence's full pages (its tokens only grow), and
+  # how many of its pages were offered to the cache already.
+  page_hashes: list[int] = dataclasses.field(default_factory=list)
+  pages_offered: int = 0
   num_computed_tokens: int = 0
   num_cached_tokens: int = 0  # prompt tokens served by the prefix cache, first admission
   # Speculative decoding with a draft model: how many of the computed tokens the draft's KV cache

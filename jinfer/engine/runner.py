@@ -21,6 +21,7 @@ from jinfer.engine.speculative.proposer import InStep
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
 from jinfer.models import CausalLM, linear_kernels, logical_axes, unstack_layers
 from jinfer.models.kernel_options import KernelOptions
+from jinfer.models.kv_groups import KVGroups
 from jinfer.parallel import distributed, sharding
 from jinfer.quant.qarray import param_bytes
 from jinfer.sampling.sample import SampleOutput, sample
@@ -62,12 +63,12 @@ def _expert_load(state) -> jax.Array | None:
 def keep_path(kv_cache: jax.Array, md: AttentionMetadata, out: VerifyOutput) -> jax.Array:
   """Move each sequence's accepted path to the slots of its depths: node n of sequence s wrote
   its K/V at the slot of row cu_q_lens[s] + n; the node at depth d belongs at row
-  cu_q_lens[s] + d."""
+  cu_q_lens[s] + d. In every KV group (slot_mapping [G, T]): their pages are disjoint."""
   d = jnp.arange(1, out.path.shape[1])[None, :]  # [1, D]
   first = md.cu_q_lens[:-1, None]  # [S, 1]
-  src = md.slot_mapping[first + out.path[:, 1:]]  # [S, D]
-  dst = md.slot_mapping[first + d]
-  move = (d <= out.num_accepted[:, None]) & (out.path[:, 1:] != d)
+  src = md.slot_mapping[:, first + out.path[:, 1:]]  # [G, S, D]
+  dst = md.slot_mapping[:, first + d]
+  move = (d <= out.num_accepted[:, None]) & (out.path[:, 1:] != d)  # [S, D]
   return copy_slots(kv_cache, src.reshape(-1), jnp.where(move, dst, -1).reshape(-1))
 
 
@@ -133,7 +134,7 @@ class ModelRunner:
   mesh every step runs scanned."""
 
   def __init__(self, config: ModelConfig, params: dict, spec: KVCacheSpec, buckets: Buckets, *,
-               kernels: KernelOptions, dtype, unrolled_max_tokens: int,
+               kv_groups: KVGroups, kernels: KernelOptions, dtype, unrolled_max_tokens: int,
                in_step: InStep | None = None, in_step_weights: dict | None = None,
                mesh: Mesh | None = None,
                expert_parallel: bool = False):
@@ -164,7 +165,7 @@ class ModelRunner:
                                 donate_argnums=(1,), out_shardings=out_shardings)
 
     def variant(scan: bool) -> Variant:
-      model = CausalLM(config, kernels, dtype=dtype, scan_layers=scan)
+      model = CausalLM(config, kernels, dtype=dtype, scan_layers=scan, kv_groups=kv_groups)
       return Variant(model, params if scan else unstack_layers(params, config.num_layers),
                      jit(model))
 

@@ -10,6 +10,9 @@ Speculative decoding: a decoding sequence may get up to k extra rows for draft t
 (`lookahead`, decided by the engine), verified in the same step. They take budget and pages like
 any row, but never preempt anyone: short of pages, the sequence decodes one token as usual.
 After the step, `rollback` hands back the pages that only rejected drafts used.
+
+A sequence holds pages per KV group (`seq.pages[g]`, see block_manager.py); a sliding-window
+group gives back the pages that left its window before the sequence grows.
 """
 from __future__ import annotations
 
@@ -83,32 +86,51 @@ class Scheduler:
       self.running.remove(seq)
     elif seq in self.waiting:
       self.waiting.remove(seq)
-    self.blocks.release(seq.pages)
-    seq.pages = []
+    self._release(seq)
     seq.status = Status.FINISHED
 
+  def _release(self, seq: Sequence):
+    for pages in seq.pages:
+      self.blocks.release(pages)
+    seq.pages, seq.pages_offered = [], 0
+
   def _grow(self, seq: Sequence, num_new: int) -> bool:
-    need = self.blocks.pages_needed(seq.num_computed_tokens + num_new) - len(seq.pages)
-    if need <= 0:
+    """Pages for `num_new` more tokens in every group, all or none."""
+    # Window groups first give back what the step's first row (or a draft model's first
+    # catch-up row, which trails it) no longer sees.
+    # The pages given back are always a prefix: walk back from the window's start to it.
+    first = seq.num_computed_tokens - seq.draft_lag
+    for g, pages in enumerate(seq.pages):
+      i = min(self.blocks.first_visible(g, first), len(pages)) - 1
+      while i >= 0 and pages[i] >= 0:
+        self.blocks.release([pages[i]])
+        pages[i] = -1
+        i -= 1
+    total = self.blocks.pages_needed(seq.num_computed_tokens + num_new)
+    need = [max(0, total - len(pages)) for pages in seq.pages]
+    if not any(need):
       return True
-    pages = self.blocks.allocate(need)
-    if pages is None:
+    new = self.blocks.allocate(sum(need))
+    if new is None:
       return False
-    seq.pages.extend(pages)
+    for pages, n in zip(seq.pages, need):
+      pages.extend(new[:n])
+      new = new[n:]
     return True
 
   def rollback(self, seq: Sequence):
     """Release the pages past the sequence's computed tokens: those only rejected drafts wrote
     to. Their slots in the kept pages are left as they are; the next step overwrites them."""
     keep = self.blocks.pages_needed(seq.num_computed_tokens)
-    if len(seq.pages) > keep:
-      self.blocks.release(seq.pages[keep:])
-      del seq.pages[keep:]
+    for pages in seq.pages:
+      if len(pages) > keep:
+        self.blocks.release(pages[keep:])
+        del pages[keep:]
 
   def _preempt(self, seq: Sequence):
     self.running.remove(seq)
-    self.blocks.release(seq.pages)
-    seq.pages, seq.num_computed_tokens, seq.status = [], 0, Status.WAITING
+    self._release(seq)
+    seq.num_computed_tokens, seq.status = 0, Status.WAITING
     seq.draft_lag = 0
     self.waiting.appendleft(seq)
     self.num_preemptions += 1
@@ -121,9 +143,11 @@ class Scheduler:
   def _match_prefix(self, seq: Sequence):
     # Prompt logprobs need every prompt row computed, so such requests skip the cache.
     if seq.params.prompt_logprobs is not None:
+      seq.pages = [[] for _ in self.blocks.windows]
       return
-    seq.pages = self.blocks.match_prefix(seq.token_ids, seq.cache_salt)
-    seq.num_computed_tokens = len(seq.pages) * self.blocks.page_size
+    seq.pages = self.blocks.match_prefix(seq.token_ids, seq.cache_salt, seq.page_hashes)
+    seq.pages_offered = len(seq.pages[0])  # cached already
+    seq.num_computed_tokens = seq.pages_offered * self.blocks.page_size
     seq.draft_lag = 0
     if seq.metrics.first_scheduled_time is None:
       seq.num_cached_tokens = seq.num_computed_tokens
@@ -202,8 +226,8 @@ class Scheduler:
       if (remaining > 1 and prefills >= cfg.max_prefill_seqs) or not self._grow(seq, n):
         # FCFS: nobody overtakes a request that cannot start yet. It holds no pages meanwhile,
         # or a waiting request could pin what the running ones need.
-        self.blocks.release(seq.pages)
-        seq.pages, seq.num_computed_tokens = [], 0
+        self._release(seq)
+        seq.num_computed_tokens = 0
         break
       self._admit(self.waiting.popleft())
       seqs.append(seq)

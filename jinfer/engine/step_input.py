@@ -1,10 +1,11 @@
 """The fixed-shape pytree one jitted step consumes, and how the host builds it.
 
 Shapes come from a finite bucket set: `T` a power of two up to `max_num_batched_tokens`,
-`S = min(T, max_num_seqs)`, `P = max_pages_per_seq`. The attention's loops run as far as the
-step's real sequences need (a decode-only step skips the prefill ones), so one compiled shape
-per `T` serves decode and mixed steps alike. Padding rows write to the sink page and are never
-read.
+`S = min(T, max_num_seqs)`, `P = max_pages_per_seq`; the attention metadata's block table
+[G, S, P] and slot mapping [G, T] have one row per KV group (`jinfer/models/kv_groups.py`).
+The attention's loops run as far as the step's real sequences need (a decode-only step skips
+the prefill ones), so one compiled shape per `T` serves decode and mixed steps alike. Padding
+rows write to the sink page and are never read.
 
 With speculative decoding (k drafts), a step where some sequence verifies drafts is a verify
 step, a second variant per `T`: each such sequence's rows are `[last, d1..dm]` (m <= k, verify
@@ -78,6 +79,9 @@ class Buckets:
   # step's [R, ceil(V / 32)] (0: the step carries none, for callers that build sampling tensors
   # without an engine).
   vocab_size: int = 0
+  # KV groups (jinfer/models/kv_groups.py): the step carries a block table [G, S, P] and a slot
+  # mapping [G, T], one per group.
+  num_kv_groups: int = 1
 
   @property
   def token_buckets(self) -> list[int]:
@@ -127,7 +131,8 @@ def empty_step_input(b: Buckets, t: int, prompt_logprobs: bool = False,
   else:
     extra = {}
   return extra | dict(
-      token_ids=z(t), positions=z(t), slot_mapping=z(t), block_table=z(s, b.max_pages_per_seq),
+      token_ids=z(t), positions=z(t), slot_mapping=z(b.num_kv_groups, t),
+      block_table=z(b.num_kv_groups, s, b.max_pages_per_seq),
       kv_lens=z(s), cu_q_lens=z(s + 1), num_seqs=z(1), logits_indices=z(s),
       temperature=np.zeros(s, np.float32), top_k=np.full(s, 1 << 30, np.int32),
       top_p=np.ones(s, np.float32), min_p=np.zeros(s, np.float32),
@@ -200,9 +205,14 @@ def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
         if m:
           a["positions"][off + n - m - 1:off + n] = start + n - m - 1 + b.tree.depth[:m + 1]
           a["tree_mask"][off + n - m - 1:off + n, :m + 1] = b.tree.visible[:m + 1, :m + 1]
-      pages = np.asarray(seq.pages, np.int32)
-      a["slot_mapping"][off:off + n] = pages[pos // page_size] * page_size + pos % page_size
-      a["block_table"][i, :len(pages)] = pages
+      for g, pages in enumerate(seq.pages):
+        # Only a group's present pages are converted: a window group's long run of pages
+        # given back (-1) is a prefix, filled in one slice.
+        lo = _pages_given_back(pages)
+        row = a["block_table"][g, i]
+        row[:lo] = -1
+        row[lo:len(pages)] = pages[lo:]
+        a["slot_mapping"][g, off:off + n] = row[pos // page_size] * page_size + pos % page_size
       a["kv_lens"][i] = start + n
       off += n
       a["cu_q_lens"][i + 1] = off
@@ -258,6 +268,17 @@ def draft_prefixes(drafts: list[int], m: int, tree: Tree | None) -> list[list[in
   if tree is None:
     return [list(drafts[:j]) for j in range(m + 1)]
   return [[drafts[node - 1] for node in tree.path[j, 1:tree.depth[j] + 1]] for j in range(m + 1)]
+
+
+def _pages_given_back(pages: list[int]) -> int:
+  """How many leading entries of a group's pages are -1 (a window group's pages given back are
+  a prefix): found from the end, so the cost is the pages still held."""
+  if not pages or pages[0] >= 0:
+    return 0
+  i = len(pages)
+  while pages[i - 1] >= 0:
+    i -= 1
+  return i
 
 
 def _has_penalty(seq: Sequence) -> bool:

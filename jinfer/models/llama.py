@@ -50,6 +50,7 @@ from flax import struct
 
 from jinfer.config import ModelConfig
 from jinfer.models.kernel_options import KernelOptions
+from jinfer.models.kv_groups import KVGroups
 from jinfer.models.moe import MoE
 from jinfer.models.params import LinearKernel, default_init as _init, kernel as _kernel, param as _param
 from jinfer.quant.groupwise import GroupwiseArray
@@ -148,6 +149,9 @@ class LayerInputs:
   """What differs from one layer to the next besides its params (scanned over)."""
   index: jax.Array  # [] int32: the layer's slot in the KV cache
   window: jax.Array | None  # [] int32 sliding window (NO_WINDOW: none); None: no layer has one
+  # [] int32: the layer's KV group (see kv_groups.py), whose pages the metadata's block_table
+  # [G, S, P] and slot_mapping [G, T] list per group; None: one table for every layer.
+  group: jax.Array | None = None
   # [] int32: which rope table the layer rotates with (1: the local one); None: one table.
   rope: jax.Array | None = None
   # When dense and MoE layers mix (else None): [] bool, an MoE layer; [] int32, the layer's slot
@@ -177,6 +181,9 @@ class Attention(nn.Module):
     if layer.rope is not None:  # [R, T, D] tables: this layer's
       cos, sin = cos[layer.rope], sin[layer.rope]
     q, k = rope(q, cos, sin), rope(k, cos, sin)
+    if layer.group is not None:
+      md = md.replace(slot_mapping=md.slot_mapping[layer.group],
+                      block_table=md.block_table[layer.group])
     o, kv_cache = paged_attention(q, k, v, kv_cache, md, layer=layer.index,
                                   sliding_window=layer.window, sm_scale=c.sm_scale,
                                   soft_cap=c.attn_logit_softcapping,
@@ -259,11 +266,13 @@ def _mixed_ffn(config: ModelConfig) -> bool:
   return len(set(config.moe_layers)) > 1
 
 
-def _layer_inputs(config: ModelConfig) -> LayerInputs:  # each field [L]
+def _layer_inputs(config: ModelConfig, kv_groups: KVGroups | None) -> LayerInputs:  # each [L]
   windows, moe = config.sliding_windows, np.asarray(config.moe_layers)
   mixed = _mixed_ffn(config)
+  group, slot = (None, np.arange(config.num_layers)) if kv_groups is None else (
+      kv_groups.layer_slots())
   return LayerInputs(
-      index=jnp.arange(config.num_layers, dtype=jnp.int32),
+      index=jnp.asarray(slot, jnp.int32), group=None if group is None else jnp.asarray(group),
       window=None if all(w is None for w in windows) else jnp.asarray(
           [NO_WINDOW if w is None else w for w in windows], jnp.int32),
       rope=jnp.asarray(config.local_rope, jnp.int32) if any(config.local_rope) else None,
@@ -290,14 +299,17 @@ class CausalLM(nn.Module):
   kernels: KernelOptions = KernelOptions()
   dtype: Any = jnp.float32
   scan_layers: bool = True
+  # How the layers share the KV cache: the cache has kv_groups.num_slots layer slots and the
+  # metadata one block table and slot mapping per group. None: a slot per layer, one table.
+  kv_groups: KVGroups | None = None
 
   @nn.compact
   def __call__(
       self,
       token_ids: jax.Array,  # [T] int32
       positions: jax.Array,  # [T] int32
-      kv_cache: jax.Array,  # [L, num_pages, 2, Hkv, page_size, D]
-      md: AttentionMetadata,
+      kv_cache: jax.Array,  # [L or slots, num_pages, 2, Hkv, page_size, D]
+      md: AttentionMetadata,  # block_table [G, S, P], slot_mapping [G, T] with kv_groups
       logits_indices: jax.Array | None = None,  # [S] rows to project to logits
       return_hidden: bool = False,
   ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
@@ -320,7 +332,7 @@ class CausalLM(nn.Module):
       x = embed[token_ids]  # [T, E]
     if c.embed_scale is not None:  # rounded to the dtype first, as transformers does
       x = x * jnp.asarray(c.embed_scale, self.dtype)
-    layers = _layer_inputs(c)
+    layers = _layer_inputs(c, self.kv_groups)
     # [T, D], or [2, T, D] (global, local) when some layers rotate with the local rope
     inv_freq = jnp.asarray(np.stack([c.inv_freq(), c.inv_freq(local=True)])
                            if layers.rope is not None else c.inv_freq(), jnp.float32)

@@ -96,6 +96,12 @@ class ServerMetrics:
            s.kv_pages_used)
     metric("jinfer_kv_cache_utilization_perc", "gauge",
            "Token slots used in the allocated KV cache pages.", s.kv_utilization)
+    name = "jinfer_kv_cache_bytes_per_seq"
+    lines += [f"# HELP {name} KV bytes a running sequence holds on average, by KV group (window: "
+              f"the group's sliding window, or none for full attention).",
+              f"# TYPE {name} gauge"]
+    lines += [f'{name}{{{lab},group="{g}",window="{w or "none"}"}} {_number(b)}'
+              for g, (w, b) in enumerate(zip(s.kv_group_windows, s.kv_bytes_per_seq))]
     metric("jinfer_prefix_cache_hit_rate", "gauge",
            "Prompt tokens served from the prefix cache / prompt tokens looked up.",
            s.prefix_hit_rate)

@@ -235,7 +235,7 @@ class DraftModelProposer(Proposer):
     for i, (seq, n, m) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.num_drafts)):
       start = seq.num_computed_tokens - seq.draft_lag
       end = seq.num_computed_tokens + n - m  # the target's rows without the drafts
-      pages = np.asarray(seq.pages, np.int32)
+      pages = np.asarray(seq.pages[0], np.int32)  # see `_input`'s md
       pos = np.arange(start, end)
       rows = slice(off, off + len(pos))
       token_ids[rows] = seq.token_ids[start:end]
@@ -247,7 +247,9 @@ class DraftModelProposer(Proposer):
       slots[i, :len(later)] = pages[later // ps] * ps + later % ps
       later_lens[i, :len(later)] = later + 1
     cu[len(batch.seqs) + 1:] = off
-    md = inp.md.replace(slot_mapping=slot_mapping, kv_lens=kv_lens, cu_q_lens=cu, verify_width=2,
-                        tree_mask=None)
+    # The draft's cache has a slot per layer and uses the pages of the target's first KV group
+    # (its full-attention group, where the target has one; see kv_groups.py).
+    md = inp.md.replace(slot_mapping=slot_mapping, block_table=inp.md.block_table[0],
+                        kv_lens=kv_lens, cu_q_lens=cu, verify_width=2, tree_mask=None)
     return DraftInput(token_ids=token_ids, positions=positions, md=md, logits_indices=last,
                       slots=slots, kv_lens=later_lens)
