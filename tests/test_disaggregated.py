@@ -16,20 +16,22 @@ from jinfer.engine.kv_transfer import KVTransferConfig
 from jinfer.errors import ParameterError
 from jinfer.sampling.params import SamplingParams
 
-# A pool of 9 pages (8 usable) holds one sequence of max_model_len: sequences that grow together
-# on one engine outgrow it, and the newest is preempted. Every engine has it: one cache shape,
-# one set of compiled steps.
+# A pool of 15 pages (14 usable) holds one sequence of max_model_len (8 pages in the full group,
+# 6 in the window group): sequences that grow together on one engine outgrow it, and the newest
+# is preempted. Every engine has it: one cache shape, one set of compiled steps.
 BASE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, page_size=16,
-            num_pages=9)
+            num_pages=15)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
 
 
 # A random Llama small enough that a step costs little on 8 host devices (a vocabulary of 512:
 # sampling and top logprobs over a large one dominated every step).
+# The second layer's sliding window is shorter than the longer prompts: the hand-over moves a
+# full group's pages and a window group's (the hybrid KV cache, jinfer/models/kv_groups.py).
 CFG = ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
                   num_layers=2, num_heads=8, num_kv_heads=2, head_dim=16,
-                  max_position_embeddings=4096, rope_theta=10000.0)
+                  max_position_embeddings=4096, rope_theta=10000.0, sliding_windows=(None, 16))
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +92,7 @@ def _disaggregated(model, options=None, **kv_transfer) -> DisaggregatedEngine:
 def test_disaggregated_matches_colocated(model):
   """Greedy tokens and logprobs and seeded samples of two splits equal the colocated engine's
   (TP 2): prefill on 2 devices and decode on 6 (three decode engines of TP 2); prefill on 2
-  and decode on 2, whose 9-page pool preempts (recomputed on the prefill side). Then, on the second: aborts wherever a request is (queued, prefilling, pages
+  and decode on 2, whose 15-page pool preempts (recomputed on the prefill side). Then, on the second: aborts wherever a request is (queued, prefilling, pages
   in flight, decoding) and a transfer that fails (consuming the decode cache): that request
   alone errors, the sequences the lost cache held are recomputed, and no page leaks on either
   side. Last, n-gram speculation on the decode side gives the greedy tokens."""
@@ -107,8 +109,8 @@ def test_disaggregated_matches_colocated(model):
   assert wide.num_transfers >= 2 * len(prompts)
   del wide
 
-  # Three sequences admitted together on one decode engine's 8 pages, each growing to 3 pages:
-  # the newest is preempted, and recomputed on the prefill side.
+  # Three sequences admitted together on one decode engine's 14 pages, each growing to 3 pages
+  # in each group: the newest is preempted, and recomputed on the prefill side.
   narrow = _disaggregated(model, prefill_devices=2, decode_devices=2)
   assert (len(narrow.prefill), len(narrow.decode)) == (1, 1)
   grow = [p[:17] for p in prompts[1:4]]

@@ -48,6 +48,7 @@ from jinfer.engine.engine_config import EngineConfig, default_dtype
 from jinfer.engine.kv_transfer import PageCopier, _error
 from jinfer.engine.request import RequestOutput, Sequence, Status
 from jinfer.errors import ParameterError
+from jinfer.models.kv_groups import KVGroups
 from jinfer.sampling.params import SamplingParams
 from jinfer.tokenizer import Tokenizer
 from pallas_kernels.kv_cache_layout import SINK_PAGE
@@ -64,6 +65,9 @@ class _Transfer:
   copier: PageCopier
   staged: Any  # the pages' K/V on the decode devices (the copy may still be running)
   num_pages: int
+  # Per KV group: (its pages' count by position, how many lead ones a window group gave back).
+  # The staged pages are every group's present ones, group after group.
+  layout: list[tuple[int, int]]
 
 
 class DisaggregatedEngine:
@@ -103,7 +107,9 @@ class DisaggregatedEngine:
                        speculative_config=None)
     if kvt.prefill_num_pages is not None:
       max_len = min(config.model.max_model_len, model_config.max_position_embeddings)
-      need = -(-max_len // config.cache.page_size)
+      need = KVGroups.of(model_config, max_len,
+                         hybrid=not config.cache.disable_hybrid_kv_cache_manager).page_need(
+          max_len, config.cache.page_size, config.scheduler.max_num_batched_tokens)
       if kvt.prefill_num_pages - 1 < need:
         raise _error(f"prefill_num_pages={kvt.prefill_num_pages} cannot hold one sequence of "
                      f"max_model_len={max_len} ({need} pages + the sink page)")
@@ -274,7 +280,8 @@ class DisaggregatedEngine:
         # A failed step took the cache: the parked sequences' K/V went with it.
         self._resets[engine] = engine.runner.cache_resets
         for seq in engine.handoffs:
-          engine.blocks.release(seq.pages)
+          for pages in seq.pages:
+            engine.blocks.release(pages)
           seq.pages, seq.num_computed_tokens, seq.status = [], 0, Status.WAITING
           engine.scheduler.waiting.appendleft(seq)
         engine.handoffs.clear()
@@ -307,14 +314,18 @@ class DisaggregatedEngine:
     copier = self.copiers[(src, dst)]
     seq.metrics.handoff_time = time.monotonic()
     seq.metrics.transfer_done_time = seq.metrics.decode_start_time = None
+    # Only the pages the sequence holds: a window group's given-back ones (-1) lead its list.
+    present = [p for pages in seq.pages for p in pages if p >= 0]
+    layout = [(len(pages), pages.count(-1)) for pages in seq.pages]
     try:
-      staged = copier.send(src.runner.kv_cache, seq.pages)
+      staged = copier.send(src.runner.kv_cache, present)
     except Exception as e:  # noqa: BLE001 - the request's own failure, reported as its error
       staged, error = None, e
-    n = len(seq.pages)
+    n = len(present)
     # The gathered copy holds the K/V now (JAX orders the next step's in-place writes after the
     # gather that reads them): the prefill pool gets its pages back at once.
-    src.blocks.release(seq.pages)
+    for pages in seq.pages:
+      src.blocks.release(pages)
     seq.pages = []
     if staged is None:
       log.error("KV transfer of request %s failed", group.request_id, exc_info=error)
@@ -324,7 +335,7 @@ class DisaggregatedEngine:
     self.num_transfers += 1
     self.transfer_bytes += nbytes
     self._timer.submit(_mark_done, staged, seq.metrics)
-    t = _Transfer(group, seq, dst, copier, staged, n)
+    t = _Transfer(group, seq, dst, copier, staged, n, layout)
     self._transfers.append(t)
     self._where[group.request_id] = t
 
@@ -338,18 +349,33 @@ class DisaggregatedEngine:
         or blocks.num_free_pages < t.num_pages + len(s.running)):
       return
     self._transfers.remove(t)
-    shared = []
+    shared = [[] for _ in t.layout]
     if seq.params.prompt_logprobs is None:
-      shared = blocks.match_prefix(seq.token_ids[:seq.num_computed_tokens + 1], seq.cache_salt)
-    fresh = blocks.allocate(t.num_pages - len(shared))
-    # Pages the decode pool already holds for this prefix are not written: their slots in the
-    # copy go to the sink page.
+      shared = blocks.match_prefix(seq.token_ids[:seq.num_computed_tokens + 1], seq.cache_salt,
+                                   seq.page_hashes)
+    # Each group's pages by position: one the decode pool already holds for this prefix is
+    # shared and not written (its slot in the copy goes to the sink page); the rest are fresh.
+    pages, targets, num_fresh = [], [], 0
+    for (length, absent), hits in zip(t.layout, shared):
+      hits = hits + [-1] * (length - len(hits))
+      row = [-1] * absent + [h if h >= 0 else None for h in hits[absent:]]
+      blocks.release([h for h in hits[:absent] if h >= 0])  # a hit the sequence does not need
+      num_fresh += row.count(None)
+      pages.append(row)
+    fresh = iter(blocks.allocate(num_fresh))
+    for row in pages:
+      for i in range(len(row)):
+        if row[i] is None:
+          row[i] = next(fresh)
+          targets.append(row[i])
+        elif row[i] >= 0:
+          targets.append(SINK_PAGE)
     try:
-      cache = t.copier.receive(d.runner.kv_cache, t.staged,
-                               [SINK_PAGE] * len(shared) + fresh)
+      cache = t.copier.receive(d.runner.kv_cache, t.staged, targets)
     except Exception as e:  # noqa: BLE001 - fails this request (and, if the cache went, recomputes)
       log.error("KV transfer of request %s failed", t.group.request_id, exc_info=e)
-      blocks.release(shared + fresh)
+      for row in pages:
+        blocks.release(row)
       if d.runner.kv_cache.is_deleted():
         # The donated cache went with the failed call: every sequence it held is recomputed on
         # the prefill side, as a failed step's would be.
@@ -360,7 +386,7 @@ class DisaggregatedEngine:
         self._collect(d, [])
       return self._fail(t.group, f"KV transfer failed: {e!r}")
     d.runner.kv_cache = cache
-    seq.pages = shared + fresh
+    seq.pages, seq.pages_offered = pages, 0
     seq.metrics.decode_start_time = time.monotonic()
     d.adopt(t.group)
     self._where[t.group.request_id] = d
@@ -400,6 +426,7 @@ class DisaggregatedEngine:
     """Counts summed over every engine of both groups; ratios are their mean; steps the busiest
     engine's. The transfers' own counts: `num_transfers`, `transfer_bytes`."""
     per = [e.stats() for e in self.prefill + self.decode]
+    dec = per[len(self.prefill):]
     total = lambda name: sum(getattr(s, name) for s in per)
     mean = lambda name: sum(getattr(s, name) for s in per) / len(per)
     waiting = sum(len(a) + len(b) for a, b in zip(self._adds.values(), self._adopts.values()))
@@ -411,7 +438,10 @@ class DisaggregatedEngine:
         prompt_tokens=total("prompt_tokens"), generation_tokens=total("generation_tokens"),
         num_steps=max(s.num_steps for s in per), weight_bytes=total("weight_bytes"),
         kv_cache_bytes=total("kv_cache_bytes"), kv_bytes_per_token=per[0].kv_bytes_per_token,
-        kv_pages_per_gib=per[0].kv_pages_per_gib,
+        kv_pages_per_gib=per[0].kv_pages_per_gib, kv_group_windows=per[0].kv_group_windows,
+        kv_bytes_per_seq=tuple(  # the decode side's, where sequences spend their lives
+            sum(s.kv_bytes_per_seq[g] * s.num_running for s in dec)
+            / max(1, sum(s.num_running for s in dec)) for g in range(len(dec[0].kv_bytes_per_seq))),
         compiles_after_startup=total("compiles_after_startup"),
         buckets_compiled=min(s.buckets_compiled for s in per), buckets_total=per[0].buckets_total,
         spec=next((s.spec for s in per if s.spec is not None), None))
