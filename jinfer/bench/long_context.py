@@ -34,7 +34,10 @@ LENGTHS = (512, 1024, 2048, 4096)
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 QUICK_LENGTHS = (256, 512)
 QUICK_DEPTHS = (0.25, 0.75)
+NEEDLE = "The secret passcode is {}."
 QUESTION = "What is the secret passcode? Answer with the number only."
+# A base model completes text: the needle's own words, asked again after the haystack.
+CUE = "What is the secret passcode? The secret passcode is"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -90,26 +93,33 @@ def filler_sentences() -> list[str]:
 
 
 class NeedleBuilder:
-  """Chat prompts of about `length` tokens with the needle at a given depth of the filler."""
+  """Prompts of about `length` tokens with the needle at a given depth of the filler.
+
+  A model with a chat template is asked `QUESTION` in a user turn; a base model (no template)
+  gets the haystack as plain text and a cue to complete, `CUE`, which it continues with the
+  number when it has retrieved it."""
 
   def __init__(self, tokenizer, sentences: list[str]):
     self.tok = tokenizer
     self.sentences = sentences
+    self.chat = tokenizer.chat_template is not None
     # Sentences are joined by spaces; a leading space tokenizes as it will inside the haystack.
     self.counts = [len(tokenizer.encode(" " + s, add_special_tokens=False)) for s in sentences]
     self.overhead = len(self._prompt(""))
-    # Template tokens before the user's content (system prompt, role header): where two prompts
-    # that differ only in their content first differ.
+    # Tokens before the haystack (BOS, and a template's system prompt and role header): where
+    # two prompts that differ only in their haystack first differ.
     a, b = self._prompt("A"), self._prompt("B")
     self.prefix = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
 
   def _prompt(self, haystack: str) -> list[int]:
+    if not self.chat:
+      return self.tok.encode(f"{haystack}\n\n{CUE}")
     msg = {"role": "user", "content": f"{haystack}\n\n{QUESTION}"}
     return self.tok.apply_chat_template([msg], add_generation_prompt=True, tokenize=True)
 
   def build(self, length: int, depth: float, passcode: str) -> tuple[list[int], int]:
     """(prompt ids, token index where the needle starts); the prompt is at most `length`."""
-    needle = f"The secret passcode is {passcode}."
+    needle = NEEDLE.format(passcode)
     budget = length - self.overhead - len(self.tok.encode(" " + needle, add_special_tokens=False))
     chosen, used, i = [], 0, 0
     while used + self.counts[i % len(self.counts)] <= budget:
