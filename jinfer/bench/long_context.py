@@ -1,21 +1,39 @@
 """Long context under context parallelism (ring attention): needle retrieval and perplexity.
 
-Two experiments on one model, first with the prompt's KV pages and query rows spread over
-`--cp` devices (ring attention), then, with `--baseline` (the default), the same on one device:
+Two experiments on one model (default: Gemma-3-270M, trained for a 32k context), first with
+the prompt's KV pages and query rows spread over `--cp` devices (ring attention), then, with
+`--baseline` (the default), on one device:
   (a) needle in a haystack: at each length in `--lengths` and each depth in `--depths`, filler
-      text with "The secret passcode is NNNNN." inserted at that fraction of it, asked (through
-      the chat template) "What is the secret passcode?"; a greedy answer of a few tokens counts
-      when it contains the number;
+      text with "The secret passcode is NNNNN." inserted at that fraction of it; a model with a
+      chat template is asked "What is the secret passcode?" in a user turn, a base model (no
+      template, Gemma-3-270M) gets the text and "What is the secret passcode? The secret
+      passcode is" to complete. A greedy answer of a few tokens counts when it has the number;
   (b) perplexity by position: one text of the longest length, the logprob of every prompt token,
       mean NLL and perplexity per position bucket.
-The CP run against the one-device run gives the largest |logprob difference| over every prompt
-and generated token and whether all greedy answers are identical: ring attention is exact, so
-they should agree to float32 rounding. Prints one JSON object (with the machine) and writes it
-to `--out`, and a plot (accuracy vs length, perplexity vs position) to `--plot`.
+The CP run repeats part of the one-device run: the needles at `--cp-lengths` and the first
+`--cp-ppl-tokens` tokens of the perplexity text. Against the one-device run it gives the largest
+|logprob difference| over those prompt tokens and every generated token, and whether the greedy
+answers are identical: ring attention is exact, so they should agree to float32 rounding. Prints
+one JSON object (with the machine, and each run's KV cache size and the process's peak memory)
+and writes it to `--out`, and a plot (accuracy vs length, perplexity vs position) to `--plot`.
 
-    python -m jinfer.bench.long_context [--cp 8 --devices 8] [--lengths 512,1024,2048,4096]
-        [--layout zigzag|plain] [--quick] [--no-baseline] [--out F.json] [--plot F.png]
+    python -m jinfer.bench.long_context [--model NAME] [--cp 2 --devices 2]
+        [--lengths 1024,2048,4096,8192,16384] [--depths 0.1,0.5,0.9] [--cp-lengths 8192|all]
+        [--cp-ppl-tokens 2048] [--layout zigzag|plain] [--quick] [--no-baseline]
+        [--out F.json] [--plot F.png]
 
+The defaults fit a 2-core CPU in about a quarter of an hour: one device does 1k-16k tokens at
+three depths and perplexity over 16k tokens, CP over 2 host devices the 8k needles and 2k tokens
+of perplexity (CP on host devices costs a few times one device's time; 8 of them on 2 cores,
+several times more, and ~20 GB of memory at 4k). On a host with 8 accelerator chips, the whole
+experiment at 32k (32,000 tokens: the answer must fit in the model's 32,768):
+
+    python -m jinfer.bench.long_context --cp 8 --lengths 1024,2048,4096,8192,16384,32000
+        --depths 0.1,0.3,0.5,0.7,0.9 --cp-lengths all --cp-ppl-tokens 32000
+        --max-num-batched-tokens 2048
+
+A prompt-logprob step projects every row to the vocabulary (262,144 for Gemma-3: a [T, V]
+float32 array is 1 GiB at T = 1024), so `--max-num-batched-tokens` sizes that too.
 On the CPU, `--devices` fake devices are made (XLA host platform); on an accelerator the real
 ones are used. The filler is CPython's own documentation (`pydoc_data`), so nothing is
 downloaded. Timings include loading and, with `--no-warmup`, each step shape's first compile.
@@ -187,12 +205,16 @@ def run_perplexity(llm, ids: list[int]) -> tuple[list[float], float]:
   return [e[tid] for tid, e in zip(ids[1:], out.prompt_logprobs[1:])], seconds
 
 
-def perplexity_buckets(logprobs: list[float], n_buckets: int) -> list[dict]:
-  """Mean NLL and perplexity over equal runs of predicted positions (position p: token p)."""
+def perplexity_buckets(logprobs: list[float], n_buckets: int, span: int) -> list[dict]:
+  """Mean NLL and perplexity over equal runs of predicted positions (position p: token p), the
+  runs cut from `span` positions: a run over a prefix of the text shares the full text's
+  buckets (and leaves the rest out)."""
   n = len(logprobs)
-  edges = [round(i * n / n_buckets) for i in range(n_buckets + 1)]
+  edges = [min(round(i * span / n_buckets), n) for i in range(n_buckets + 1)]
   out = []
   for lo, hi in zip(edges, edges[1:]):
+    if hi == lo:
+      break
     nll = -sum(logprobs[lo:hi]) / max(hi - lo, 1)
     out.append({"positions": [lo + 1, hi], "mean_nll": round(nll, 4),
                 "perplexity": round(math.exp(nll), 3)})
@@ -268,7 +290,7 @@ def summarize(args, trials: list[dict], run: dict) -> dict:
           "trials": rows},
       "perplexity": {"tokens": len(lp) + 1, "mean_nll": round(nll, 4),
                      "perplexity": round(math.exp(nll), 3),
-                     "buckets": perplexity_buckets(lp, args.buckets)},
+                     "buckets": perplexity_buckets(lp, args.buckets, args.ppl_positions)},
       "memory": run["memory"],
       "timings": run["timings"]}
 
@@ -362,6 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
   # The perplexity text starts elsewhere in the filler than the haystacks do.
   ppl_text = " ".join(sentences[len(sentences) // 2:] + sentences[:len(sentences) // 2])
   ppl_ids = tok.encode(ppl_text)[:max(args.lengths)]
+  args.ppl_positions = len(ppl_ids) - 1
 
   result = {"machine": machine, "model": args.model, "context_parallel_size": args.cp,
             "context_layout": args.layout, "devices": jax.device_count(),
