@@ -22,9 +22,9 @@ and writes it to `--out`, and a plot (accuracy vs length, perplexity vs position
         [--cp-ppl-tokens 2048] [--layout zigzag|plain] [--quick] [--no-baseline]
         [--out F.json] [--plot F.png]
 
-The defaults fit a 2-core CPU in about a quarter of an hour: one device does 1k-16k tokens at
+The defaults fit a shared 2-core CPU in 10-13 minutes: one device does 1k-16k tokens at
 three depths and perplexity over 16k tokens, CP over 2 host devices the 8k needles and 2k tokens
-of perplexity (CP on host devices costs a few times one device's time; 8 of them on 2 cores,
+of perplexity (CP on 2 host devices costs about twice one device's time; 8 of them on 2 cores,
 several times more, and ~20 GB of memory at 4k). On a host with 8 accelerator chips, the whole
 experiment at 32k (32,000 tokens: the answer must fit in the model's 32,768):
 
