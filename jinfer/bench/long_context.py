@@ -53,7 +53,7 @@ MODEL = "gemma-3-270m"
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 DEPTHS = (0.1, 0.5, 0.9)
 # What the CP run repeats of the one-device run by default: the 8k needles and the first
-# tokens of the perplexity text. On host devices CP costs a few times one device's time.
+# tokens of the perplexity text. On 2 host devices CP costs about twice one device's time.
 CP_LENGTHS = (8192,)
 CP_PPL_TOKENS = 2048
 QUICK_LENGTHS = (256, 512)
