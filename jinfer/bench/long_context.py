@@ -27,7 +27,8 @@ three depths and perplexity over 16k tokens, CP over 2 host devices the 8k needl
 of perplexity (CP on 2 host devices costs about twice one device's time; 8 of them on 2 cores,
 several times more, and ~20 GB of memory at 4k; one device alone does three 32k needles and
 32k tokens of perplexity in ~10 minutes: `--devices 1 --cp 1 --no-baseline --lengths 32000`).
-On a host with 8 accelerator chips, the whole experiment at 32k (32,000 tokens: the answer must fit in the model's 32,768):
+On a host with 8 accelerator chips, the whole experiment at 32k (32,000 tokens: the answer must
+fit in the model's 32,768):
 
     python -m jinfer.bench.long_context --cp 8 --lengths 1024,2048,4096,8192,16384,32000
         --depths 0.1,0.3,0.5,0.7,0.9 --cp-lengths all --cp-ppl-tokens 32000
