@@ -1,5 +1,5 @@
-"""`python -m jinfer.bench.long_context` end to end: ring attention over 4 CPU devices against
-one device.
+"""`python -m jinfer.bench.long_context`: its needle prompts, and end to end, ring attention over
+4 CPU devices against one device.
 
 The benchmark runs in a subprocess: it must size the CPU client (4 devices) before jax starts its
 backends, and this process's jax may already have started them with one.
@@ -12,8 +12,35 @@ import subprocess
 import sys
 
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers
+
+from jinfer.bench.long_context import CUE, NEEDLE, NeedleBuilder, filler_sentences
+from jinfer.tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_base_model_needle_prompts_are_the_haystack_then_the_cue():
+  # A base model's tokenizer, of the plainest kind: one token per word or punctuation run, no
+  # chat template. The builder's arithmetic does not depend on the vocabulary.
+  sentences = filler_sentences()[:300]
+  split = pre_tokenizers.Whitespace().pre_tokenize_str
+  words = sorted({w for s in sentences + [NEEDLE.format(12345), CUE] for w, _ in split(s)})
+  backend = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+  backend.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok = Tokenizer(backend, special_tokens=dict.fromkeys(("bos_token", "eos_token", "unk_token",
+                                                         "pad_token")),
+                  eos_token_ids=(), chat_template=None)
+  builder = NeedleBuilder(tok, sentences)
+  assert not builder.chat and builder.prefix == 0
+  needle, cue = tok.encode(NEEDLE.format(12345)), tok.encode(CUE)
+  for depth in (0.0, 0.5, 1.0):
+    ids, at = builder.build(1000, depth, "12345")
+    assert 990 <= len(ids) <= 1000
+    assert ids[at:at + len(needle)] == needle, depth
+    assert ids[-len(cue):] == cue  # the text ends on the cue the model completes
+    assert abs(at / (len(ids) - len(cue)) - depth) < 0.05
 
 
 @pytest.mark.slow
@@ -23,7 +50,9 @@ def test_long_context_quick(tmp_path):
   # Only the subprocess's own flag may decide the device count.
   env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
+      # The instruct model: needles asked through its chat template.
       [sys.executable, "-m", "jinfer.bench.long_context", "--quick",
+       "--model", "smollm2-135m-instruct",
        "--devices", "4", "--no-warmup", "--out", str(out), "--plot", str(png)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -31,7 +60,8 @@ def test_long_context_quick(tmp_path):
 
   assert result["context_parallel_size"] == 4 and result["devices"] == 4
   assert result["context_layout"] == "zigzag"
-  assert result["lengths"] == [256, 512]
+  assert result["lengths"] == [256, 512] and result["cp_lengths"] == [256, 512]
+  assert result["prompt_style"] == "chat template"
   assert result["machine"]["num_devices"] == 4
   for run in ("cp", "one_device"):
     needle = result[run]["needle"]
