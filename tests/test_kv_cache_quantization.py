@@ -224,7 +224,7 @@ def test_a_step_does_not_copy_the_int8_cache():
   from jinfer.engine.step_input import empty_step_input, to_step_input
   from tests.test_model_layout import CONFIG, _params
   temps = []
-  for num_pages in (64, 2048):
+  for num_pages in (64, 8192):  # 3 KV groups of one layer: the cache has one slot
     eng = make_engine((CONFIG, _params(), None), warmup=False, max_model_len=64, page_size=4,
                       num_pages=num_pages, max_num_seqs=4, max_num_batched_tokens=32,
                       scan_layers=True, compilation_cache=False, kv_cache_dtype="int8")

@@ -100,10 +100,14 @@ def part_timings(engine: LLMEngine, inp, repeats: int) -> dict:
   q0 = jnp.ones((t, hq, d), dtype) * 0.01
   kv0 = jnp.ones((t, hkv, d), dtype) * 0.01
 
+  # Each layer's slot in the cache and KV group, whose block table and slots it reads.
+  group, slot = (jnp.asarray(a) for a in engine.config.kv_groups.layer_slots())
+
   def attention(md, carry, _, i):
     o, cache = carry
-    cache = write_kv(cache, i, kv0, kv0, md.slot_mapping)
-    o = o + ragged_paged_attention(q0 + o, cache, md, layer=i, sm_scale=d ** -0.5,
+    md = md.replace(slot_mapping=md.slot_mapping[group[i]], block_table=md.block_table[group[i]])
+    cache = write_kv(cache, slot[i], kv0, kv0, md.slot_mapping)
+    o = o + ragged_paged_attention(q0 + o, cache, md, layer=slot[i], sm_scale=d ** -0.5,
                                    backend=kn.attention, interpret=kn.interpret)
     return o, cache
 
