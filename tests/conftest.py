@@ -54,7 +54,11 @@ LONGEST_FIRST = ("test_spec_engine.py", "test_quant_algorithms.py", "test_spec_s
                  "test_parallel.py", "test_disaggregated.py",
                  "test_quantized_engine.py", "test_ragged_paged_attention.py",
                  "test_spec_lossless.py", "test_engine.py", "test_model_layout.py",
-                 "test_int8_matmul.py", "test_medusa.py", "test_startup.py")
+                 "test_int8_matmul.py", "test_medusa.py", "test_startup.py",
+                 # one or two long tests each: before the many short files, never last
+                 "test_kv_cache_quantization.py", "test_gemma3_270m.py", "test_distill.py",
+                 "test_bench.py", "test_kernels_in_engine.py", "test_moe_engine.py",
+                 "test_long_context.py")
 QUICK_LONGEST_FIRST = ("test_quant_algorithms.py", "test_ragged_paged_attention.py",
                        "test_parallel.py", "test_startup.py", "test_spec_engine.py",
                        "test_quantized_engine.py", "test_int8_matmul.py", "test_engine.py",

@@ -90,12 +90,13 @@ def _disaggregated(model, options=None, **kv_transfer) -> DisaggregatedEngine:
 @pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (see conftest.py)")
 def test_disaggregated_matches_colocated(model):
-  """Greedy tokens and logprobs and seeded samples of two splits equal the colocated engine's
-  (TP 2): prefill on 2 devices and decode on 6 (three decode engines of TP 2); prefill on 2
-  and decode on 2, whose 15-page pool preempts (recomputed on the prefill side). Then, on the second: aborts wherever a request is (queued, prefilling, pages
-  in flight, decoding) and a transfer that fails (consuming the decode cache): that request
-  alone errors, the sequences the lost cache held are recomputed, and no page leaks on either
-  side. Last, n-gram speculation on the decode side gives the greedy tokens."""
+  """Against the colocated engine (TP 2): prefill on 2 devices and decode on 6 (three decode
+  engines of TP 2) gives its greedy tokens and logprobs and seeded samples; prefill on 2 and
+  decode on 2, whose 15-page pool preempts (recomputed on the prefill side), its greedy tokens
+  and logprobs. Then, on the second: aborts wherever a request is (queued, prefilling, pages in
+  flight, decoding) and a transfer that fails (consuming the decode cache): that request alone
+  errors, the sequences the lost cache held are recomputed, and no page leaks on either side.
+  Last, n-gram speculation on the decode side gives the greedy tokens."""
   cfg, params, tok = model
   prompts = _prompts(cfg.vocab_size)
   colocated = LLMEngine.from_parts(cfg, params, tok, warmup=False,
@@ -117,7 +118,6 @@ def test_disaggregated_matches_colocated(model):
   _assert_same(_run(narrow, grow, [GREEDY]), _run(colocated, grow, [GREEDY]))
   assert narrow.decode[0].scheduler.num_preemptions > 0
   assert narrow.num_transfers > len(grow)  # the preempted came back
-  _assert_same(_run(narrow, prompts, [GREEDY, SEEDED]), want)
   _no_leaks(narrow)
 
   # Aborts: one queued, and the others once each is prefilling, in flight or decoding.

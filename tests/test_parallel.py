@@ -408,7 +408,7 @@ def test_async_engine_serves_data_parallel_ranks(params, reference):
     aeng.start()
     try:
       sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
-      return await asyncio.gather(*(collect(aeng.generate(p, sp)) for p in SHORT))
+      return await asyncio.gather(*(collect(aeng.generate(p, sp)) for p in SHORT[:3]))
     finally:
       await aeng.shutdown()
 

@@ -49,7 +49,9 @@ def workload(llms):
   return watched, fillers, want
 
 
-@pytest.mark.parametrize("method", sorted(SPECS))
+# n-gram proposals do not depend on the model: the tiny model's tests cover its greedy batches
+# (test_spec_engine.py); here the trained draft and heads.
+@pytest.mark.parametrize("method", ["draft", "medusa"])
 def test_greedy_output_is_the_same_as_without_speculation(llms, workload, method):
   watched, fillers, want = workload
   llm = llms[method]

@@ -9,10 +9,11 @@ gathers the pages the sequence uses on the prefill devices and starts their copy
 least-loaded decode engine's devices (`PageCopier.send`; dispatched, not waited for), and
 releases the prefill pages at once: the gathered copy holds their K/V. At most
 `max_num_seqs` copies wait per decode engine; beyond that sequences stay parked with their
-pages, which holds the prefill side back once its pool fills. When that decode engine is between steps and has room (a free
-seat under `max_num_seqs` and the pages), the staged pages are written into pages of its pool
-(block table translated: the sequence's page list is the new one) and the sequence decodes
-there. Pages the decode pool already caches for the same prefix are shared, not written again.
+pages, which holds the prefill side back once its pool fills. When that decode engine is between
+steps and has room (a free seat under `max_num_seqs` and the pages), the staged pages are
+written into pages of its pool (block table translated: the sequence's page list is the new one)
+and the sequence decodes there. Pages the decode pool already caches for the same prefix are
+shared, not written again.
 
 Every engine steps on its own thread, and `step` returns as soon as any engine's step is done,
 so decode steps never wait behind a long prefill step. Whatever touches an engine's pool,
