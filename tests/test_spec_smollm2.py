@@ -1,8 +1,8 @@
-"""Speculative decoding on the real model: SmolLM2's output with n-gram lookup, with the
-distilled draft and with the Medusa heads of `jinfer/checkpoints/` is the output without
-speculation: greedy, alone and inside a batch with chunked prefill, preemption and prefix hits; sampled with
-seeds, 128 copies of one prompt (prefix hits in every step), token for token. And the shipped
-draft and heads are trained ones."""
+"""Speculative decoding on the real model: SmolLM2's output with the distilled draft and with
+the Medusa heads of `jinfer/checkpoints/` is the output without speculation: greedy, alone and
+inside a batch with chunked prefill, preemption and prefix hits; sampled with seeds, 128 copies
+of one prompt (prefix hits in every step), token for token. And the shipped draft and heads are
+trained ones."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +11,7 @@ import pytest
 from jinfer import LLM, SamplingParams
 from jinfer.weights.builtin import checkpoint_path
 
-pytestmark = pytest.mark.slow  # four SmolLM2 engines, ~4 minutes
+pytestmark = pytest.mark.slow  # three SmolLM2 engines, ~4 minutes
 
 DRAFT = checkpoint_path("smollm2-135m-draft")
 MEDUSA = checkpoint_path("smollm2-135m-medusa")
@@ -19,9 +19,10 @@ MEDUSA = checkpoint_path("smollm2-135m-medusa")
 # step scanned: each unrolled bucket compiles every layer, which cost this module 4 minutes.
 ENGINE = dict(max_model_len=512, max_num_seqs=16, max_num_batched_tokens=64, page_size=16,
               num_pages=40, warmup=False, scan_layers=True)
-SPECS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-                   "prompt_lookup_max": 4},
-         "draft": {"method": "draft_model", "num_speculative_tokens": 4, "model": DRAFT},
+# n-gram proposals do not depend on the model: the tiny model's tests cover them (greedy batches
+# in test_spec_engine.py, seeded sampling in test_spec_lossless.py); here the trained draft and
+# heads.
+SPECS = {"draft": {"method": "draft_model", "num_speculative_tokens": 4, "model": DRAFT},
          "medusa": {"method": "medusa", "num_speculative_tokens": 4, "model": MEDUSA}}
 PARAMS = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
@@ -49,9 +50,7 @@ def workload(llms):
   return watched, fillers, want
 
 
-# n-gram proposals do not depend on the model: the tiny model's tests cover its greedy batches
-# (test_spec_engine.py); here the trained draft and heads.
-@pytest.mark.parametrize("method", ["draft", "medusa"])
+@pytest.mark.parametrize("method", sorted(SPECS))
 def test_greedy_output_is_the_same_as_without_speculation(llms, workload, method):
   watched, fillers, want = workload
   llm = llms[method]
