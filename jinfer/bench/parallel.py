@@ -38,31 +38,17 @@ def main(argv=None):
   import jax
   if jax.config.jax_platforms in (None, "", "cpu"):
     jax.config.update("jax_num_cpu_devices", args.devices)
-  import jax.numpy as jnp
   import numpy as np
 
   from jinfer.bench.machine import machine_info
+  from jinfer.bench.random_model import random_llama
   from jinfer.bench.report import emit
-  from jinfer.config import ModelConfig
   from jinfer.engine.engine import LLMEngine
   from jinfer.engine.engine_config import EngineConfig, default_dtype
-  from jinfer.models import param_shapes
   from jinfer.sampling.params import SamplingParams
 
-  shapes = {
-      "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=4,
-                   num_heads=8, num_kv_heads=4, head_dim=32),
-      "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                      num_heads=9, num_kv_heads=3, head_dim=64),
-      "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-                        rope_theta=500000.0),
-  }
-  cfg = ModelConfig(architecture="llama", max_position_embeddings=8192, **shapes[args.shape])
   dtype = default_dtype()
-  keys = iter(jax.random.split(jax.random.key(0), 1000))
-  params = jax.tree.map(lambda s: (jax.random.normal(next(keys), s.shape, jnp.float32) * 0.02)
-                        .astype(dtype), param_shapes(cfg))
+  cfg, params = random_llama(args.shape, dtype)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist()
              for _ in range(args.batch)]

@@ -15,41 +15,22 @@ import concurrent.futures
 import itertools
 import time
 
-from jinfer.config import ModelConfig
-from jinfer.engine import compilation_cache, weight_quantization
 from jinfer.engine.disaggregated import DisaggregatedEngine
 from jinfer.engine.engine import EngineStats, LLMEngine
-from jinfer.engine.engine_config import EngineConfig, default_dtype
+from jinfer.engine.engine_config import EngineConfig
+from jinfer.engine.front_end import FrontEnd
 from jinfer.engine.request import RequestOutput
 from jinfer.parallel.mesh import data_parallel_devices
 from jinfer.sampling.params import SamplingParams
-from jinfer.tokenizer import Tokenizer
 
 
-class DataParallelEngine:
+class DataParallelEngine(FrontEnd):
   """`data_parallel_size` engines of `config`; see the module docstring."""
 
   MAX_ROUTES = 1 << 16  # prefix hashes remembered for affinity
 
-  def __init__(self, model: str, *, dtype=None, config: EngineConfig, warmup: bool | str = True,
-               skip_tokenizer_init: bool = False):
-    data_parallel_devices(config.parallel)  # enough devices? fail before loading
-    if config.kernels.compilation_cache:
-      compilation_cache.enable()
-    t0 = time.monotonic()
-    model_config, params, tokenizer, config = weight_quantization.load(
-        config, model, dtype or default_dtype(), load_tokenizer=not skip_tokenizer_init)
-    self._build(model_config, params, tokenizer, config, dtype, warmup)
-    self.load_seconds = time.monotonic() - t0 - self.warmup_seconds
-
-  @classmethod
-  def from_parts(cls, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None, *,
-                 config: EngineConfig, dtype=None,
-                 warmup: bool | str = True) -> "DataParallelEngine":
-    self = cls.__new__(cls)
-    self._build(model_config, params, tokenizer, config, dtype, warmup)
-    self.load_seconds = 0.0
-    return self
+  def _check(self, config: EngineConfig) -> None:
+    data_parallel_devices(config.parallel)  # enough devices?
 
   def _build(self, model_config, params, tokenizer, config: EngineConfig, dtype,
              warmup: bool | str):

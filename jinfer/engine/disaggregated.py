@@ -42,16 +42,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from jinfer.config import ModelConfig
-from jinfer.engine import compilation_cache, weight_quantization
 from jinfer.engine.engine import EngineStats, LLMEngine, _Group
-from jinfer.engine.engine_config import EngineConfig, default_dtype
+from jinfer.engine.engine_config import EngineConfig
+from jinfer.engine.front_end import FrontEnd
 from jinfer.engine.kv_transfer import PageCopier, _error
 from jinfer.engine.request import RequestOutput, Sequence, Status
 from jinfer.errors import ParameterError
 from jinfer.models.kv_groups import KVGroups
 from jinfer.sampling.params import SamplingParams
-from jinfer.tokenizer import Tokenizer
 from pallas_kernels.kv_cache_layout import SINK_PAGE
 
 log = logging.getLogger(__name__)
@@ -71,29 +69,12 @@ class _Transfer:
   layout: list[tuple[int, int]]
 
 
-class DisaggregatedEngine:
+class DisaggregatedEngine(FrontEnd):
   """Prefill and decode engines behind the one-engine interface (`LLM` and the server drive it
   unchanged); see the module docstring."""
 
-  def __init__(self, model: str, *, dtype=None, config: EngineConfig, warmup: bool | str = True,
-               skip_tokenizer_init: bool = False):
-    config.kv_transfer.groups(config.parallel.tensor_parallel_size, jax.devices())  # before loading
-    if config.kernels.compilation_cache:
-      compilation_cache.enable()
-    t0 = time.monotonic()
-    model_config, params, tokenizer, config = weight_quantization.load(
-        config, model, dtype or default_dtype(), load_tokenizer=not skip_tokenizer_init)
-    self._build(model_config, params, tokenizer, config, dtype, warmup)
-    self.load_seconds = time.monotonic() - t0 - self.warmup_seconds
-
-  @classmethod
-  def from_parts(cls, model_config: ModelConfig, params: dict, tokenizer: Tokenizer | None, *,
-                 config: EngineConfig, dtype=None,
-                 warmup: bool | str = True) -> "DisaggregatedEngine":
-    self = cls.__new__(cls)
-    self._build(model_config, params, tokenizer, config, dtype, warmup)
-    self.load_seconds = 0.0
-    return self
+  def _check(self, config: EngineConfig) -> None:
+    config.kv_transfer.groups(config.parallel.tensor_parallel_size, jax.devices())
 
   def _build(self, model_config, params, tokenizer, config: EngineConfig, dtype,
              warmup: bool | str):

@@ -9,7 +9,6 @@ engines of `*_tensor_parallel_size` devices (see `jinfer/engine/disaggregated.py
 from __future__ import annotations
 
 import dataclasses
-import json
 import numbers
 from typing import Any
 
@@ -17,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jinfer.engine.json_option import parse_option
 from jinfer.errors import ParameterError
 from pallas_kernels.kv_cache_layout import SINK_PAGE
 
@@ -58,22 +58,7 @@ class KVTransferConfig:
   @classmethod
   def parse(cls, value: "KVTransferConfig | dict[str, Any] | str") -> "KVTransferConfig":
     """From a config, a dict, or JSON text (the CLI's --kv-transfer-config)."""
-    if isinstance(value, cls):
-      return value
-    if isinstance(value, str):
-      try:
-        value = json.loads(value)
-      except json.JSONDecodeError as e:
-        raise _error(f"not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-      raise _error(f"must be a dict (JSON object), got {type(value).__name__}")
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(value) - fields)
-    if unknown:
-      raise _error(f"unknown key {unknown[0]!r}; known keys: {', '.join(sorted(fields))}")
-    if "prefill_devices" not in value:
-      raise _error("needs 'prefill_devices'")
-    return cls(**value)
+    return parse_option(cls, value, NAME, "prefill_devices")
 
   def to_dict(self) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import numbers
 import os
 from typing import Any
 
+from jinfer.engine.json_option import parse_option
 from jinfer.engine.speculative.medusa_heads import (META, PUBLISHED_FILE, heads_meta,
                                                    is_medusa_checkpoint)
 from jinfer.errors import ParameterError
@@ -145,22 +145,7 @@ class SpeculativeConfig:
   @classmethod
   def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str") -> "SpeculativeConfig":
     """From a config, a dict, or JSON text (the CLI's --speculative-config)."""
-    if isinstance(value, cls):
-      return value
-    if isinstance(value, str):
-      try:
-        value = json.loads(value)
-      except json.JSONDecodeError as e:
-        raise _error(f"not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-      raise _error(f"must be a dict (JSON object), got {type(value).__name__}")
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(value) - fields)
-    if unknown:
-      raise _error(f"unknown key {unknown[0]!r}; known keys: {', '.join(sorted(fields))}")
-    if "method" not in value:
-      raise _error("needs 'method'")
-    return cls(**value)
+    return parse_option(cls, value, "speculative_config", "method")
 
   def to_dict(self) -> dict[str, Any]:
     d = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
