@@ -28,7 +28,8 @@ LAYERS = [
      "jinfer.engine.step_compiler", "jinfer.engine.compile_guard",
      "jinfer.engine.expert_load", "jinfer.engine.speculative.config",
      "jinfer.engine.speculative.medusa_heads", "jinfer.engine.speculative.draft_checkpoint",
-     "jinfer.engine.speculative.stats", "jinfer.engine.kv_transfer"],
+     "jinfer.engine.speculative.stats", "jinfer.engine.kv_transfer",
+     "jinfer.engine.json_option"],
     ["jinfer.engine.speculative"],  # the wing: proposers, built on the engine's types
     ["jinfer.engine"],  # the step, the engine loop, async and data-parallel engines
     ["jinfer.llm", "jinfer.serving", "jinfer"],  # entry points (and the package's own __init__)
