@@ -118,7 +118,9 @@ def _collectives(runner, t: int) -> dict:
   and the ring run theirs once per layer and per hop)."""
   from jinfer.engine.step_input import empty_step_input, to_step_input
   inp = to_step_input(empty_step_input(runner.buckets, t), runner.buckets)
-  hlo = runner._step.lower(runner.params, runner.kv_cache, inp).compile().as_text()
+  v = runner.variant(t)
+  hlo = v.step.lower(v.params, runner.kv_cache, inp, None,
+                     runner.in_step_weights).compile().as_text()
   return {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
 
 
