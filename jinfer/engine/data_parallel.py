@@ -18,7 +18,7 @@ import time
 from jinfer.engine.disaggregated import DisaggregatedEngine
 from jinfer.engine.engine import EngineStats, LLMEngine
 from jinfer.engine.engine_config import EngineConfig
-from jinfer.engine.front_end import FrontEnd
+from jinfer.engine.front_end import FrontEnd, combined_stats
 from jinfer.engine.request import RequestOutput
 from jinfer.parallel.mesh import data_parallel_devices
 from jinfer.sampling.params import SamplingParams
@@ -132,22 +132,7 @@ class DataParallelEngine(FrontEnd):
 
   def stats(self) -> EngineStats:
     """Counts summed over ranks; ratios are the ranks' mean; steps the busiest rank's."""
-    per = [e.stats() for e in self.engines]
-    total = lambda name: sum(getattr(s, name) for s in per)
-    mean = lambda name: sum(getattr(s, name) for s in per) / len(per)
-    return EngineStats(
-        num_running=total("num_running"), num_waiting=total("num_waiting"),
-        kv_utilization=mean("kv_utilization"), kv_pages_used=mean("kv_pages_used"),
-        prefix_hit_rate=mean("prefix_hit_rate"), num_preemptions=total("num_preemptions"),
-        prompt_tokens=total("prompt_tokens"), generation_tokens=total("generation_tokens"),
-        num_steps=max(s.num_steps for s in per), weight_bytes=total("weight_bytes"),
-        kv_cache_bytes=total("kv_cache_bytes"), kv_bytes_per_token=per[0].kv_bytes_per_token,
-        kv_pages_per_gib=per[0].kv_pages_per_gib, kv_group_windows=per[0].kv_group_windows,
-        kv_bytes_per_seq=tuple(
-            sum(s.kv_bytes_per_seq[g] * s.num_running for s in per) / max(1, total("num_running"))
-            for g in range(len(per[0].kv_bytes_per_seq))),
-        compiles_after_startup=total("compiles_after_startup"),
-        buckets_compiled=min(s.buckets_compiled for s in per), buckets_total=per[0].buckets_total)
+    return combined_stats([e.stats() for e in self.engines])
 
 
 def create_engine(model: str, *, config: EngineConfig, dtype=None, warmup: bool | str = True,

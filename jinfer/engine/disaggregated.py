@@ -44,7 +44,7 @@ import numpy as np
 
 from jinfer.engine.engine import EngineStats, LLMEngine, _Group
 from jinfer.engine.engine_config import EngineConfig
-from jinfer.engine.front_end import FrontEnd
+from jinfer.engine.front_end import FrontEnd, combined_stats
 from jinfer.engine.kv_transfer import PageCopier, _error
 from jinfer.engine.request import RequestOutput, Sequence, Status
 from jinfer.errors import ParameterError
@@ -408,24 +408,11 @@ class DisaggregatedEngine(FrontEnd):
     """Counts summed over every engine of both groups; ratios are their mean; steps the busiest
     engine's. The transfers' own counts: `num_transfers`, `transfer_bytes`."""
     per = [e.stats() for e in self.prefill + self.decode]
-    dec = per[len(self.prefill):]
-    total = lambda name: sum(getattr(s, name) for s in per)
-    mean = lambda name: sum(getattr(s, name) for s in per) / len(per)
     waiting = sum(len(a) + len(b) for a, b in zip(self._adds.values(), self._adopts.values()))
-    return EngineStats(
-        num_running=total("num_running"),
-        num_waiting=total("num_waiting") + waiting + len(self._transfers),
-        kv_utilization=mean("kv_utilization"), kv_pages_used=mean("kv_pages_used"),
-        prefix_hit_rate=mean("prefix_hit_rate"), num_preemptions=total("num_preemptions"),
-        prompt_tokens=total("prompt_tokens"), generation_tokens=total("generation_tokens"),
-        num_steps=max(s.num_steps for s in per), weight_bytes=total("weight_bytes"),
-        kv_cache_bytes=total("kv_cache_bytes"), kv_bytes_per_token=per[0].kv_bytes_per_token,
-        kv_pages_per_gib=per[0].kv_pages_per_gib, kv_group_windows=per[0].kv_group_windows,
-        kv_bytes_per_seq=tuple(  # the decode side's, where sequences spend their lives
-            sum(s.kv_bytes_per_seq[g] * s.num_running for s in dec)
-            / max(1, sum(s.num_running for s in dec)) for g in range(len(dec[0].kv_bytes_per_seq))),
-        compiles_after_startup=total("compiles_after_startup"),
-        buckets_compiled=min(s.buckets_compiled for s in per), buckets_total=per[0].buckets_total,
+    # KV bytes per sequence: the decode side's, where sequences spend their lives.
+    return combined_stats(
+        per, holders=per[len(self.prefill):],
+        num_waiting=sum(s.num_waiting for s in per) + waiting + len(self._transfers),
         spec=next((s.spec for s in per if s.spec is not None), None))
 
 
