@@ -36,6 +36,7 @@ class LLM:
                num_processes: int = 1, process_id: int = 0, **engine_options: Any):
     # Several processes (one per host) run one mesh: every process makes the same `LLM`;
     # process 0 returns to generate, the others run its steps until it closes, then return.
+    # With kv_transfer_config's "jax_transfer", process 0 prefills and the others decode.
     if engine_options.get("speculative_config") is not None:
       engine_options["speculative_config"] = resolve_speculative_model(
           engine_options["speculative_config"])
@@ -43,12 +44,13 @@ class LLM:
                              num_processes=num_processes, process_id=process_id)
     distributed.initialize(dist)
     self.is_leader = dist.is_leader
-    self.engine = create_engine(model, dtype=dtype, config=EngineConfig.of(**engine_options),
-                                warmup=warmup if self.is_leader else False,
-                                skip_tokenizer_init=skip_tokenizer_init)
+    config = EngineConfig.of(**engine_options)
+    self.engine = create_engine(model, dtype=dtype, config=config,
+                                warmup=warmup if self.is_leader or config.runs_own_steps
+                                else False, skip_tokenizer_init=skip_tokenizer_init)
     self.tokenizer = self.engine.tokenizer
     if not self.is_leader:
-      self.engine.runner.follow()
+      self.engine.follow()
     elif num_processes > 1:
       atexit.register(self.close)
 

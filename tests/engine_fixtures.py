@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
 import threading
 
 import jax
@@ -134,3 +137,18 @@ def assert_batch_matches(engine, prompts, params, want):
   assert after.num_preemptions > before.num_preemptions, "the pool was meant to force preemption"
   assert after.prefix_hit_rate > 0
   return after
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def spawn_process(model_dir: str, port: int, pid: int, spec: dict, devices: int = 4):
+  """One process of a two-process run on loopback (tests/multiprocess_worker.py)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.Popen([sys.executable, os.path.join(root, "tests", "multiprocess_worker.py"),
+                           model_dir, str(port), str(pid), str(devices), json.dumps(spec)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=dict(os.environ, PYTHONPATH=root))

@@ -1,7 +1,9 @@
 """One process of a multi-process run (tests/test_parallel.py starts two on loopback).
 
 argv: model directory, coordinator port, process id, devices per process, then a JSON object of
-engine options and prompts (and optionally the heartbeat timeout). Process 0 prints the greedy tokens and their logprobs as JSON on stdout.
+engine options and prompts (and optionally: the heartbeat timeout, seeded samples too, requests to
+abort). Process 0 prints the tokens and their logprobs as JSON on stdout; a decode process of
+disaggregated serving, what its engines still hold once released.
 """
 from __future__ import annotations
 
@@ -22,13 +24,45 @@ if "heartbeat_timeout_s" in spec:  # joined here with it; LLM then finds the run
       coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid,
       heartbeat_timeout_s=spec["heartbeat_timeout_s"]))
 llm = LLM(model, skip_tokenizer_init=True, coordinator_address=f"127.0.0.1:{port}",
-          num_processes=2, process_id=pid, warmup=False, **spec["options"])
+          num_processes=2, process_id=pid, warmup=spec.get("warmup", False), **spec["options"])
+
+
+def leaks(engines) -> list[str]:
+  """What any engine of this process still holds (pages, requests)."""
+  out = []
+  for e in engines:
+    e.blocks.check_consistency()
+    if e.blocks.num_free_pages != e.blocks.num_usable_pages or e.groups:
+      out.append(f"{e.blocks.num_usable_pages - e.blocks.num_free_pages} pages, "
+                 f"{len(e.groups)} requests")
+  return out
+
+
 if llm.is_leader:
   print("generating", file=sys.stderr, flush=True)
-  outs = [o.outputs[0] for o in llm.generate(
-      spec["prompts"], SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0,
-                                      logprobs=1), use_tqdm=False)]
-  print(json.dumps({"tokens": [o.token_ids for o in outs],
+  params = [SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=1)]
+  if spec.get("seeded"):
+    params.append(SamplingParams(max_tokens=spec["max_tokens"], temperature=1.0, top_p=0.9,
+                                 seed=7))
+  engine = llm.engine
+  rids = [engine.add_request(None, p, sp) for p in spec["prompts"] for sp in params]
+  # `abort`: requests aborted once their first token is out (their pages in flight or on the
+  # decode side), the others run to the end.
+  aborts = {rids[i] for i in spec.get("abort", [])}
+  final = {}
+  while engine.has_unfinished_requests():
+    for o in engine.step():
+      if o.request_id in aborts:
+        assert engine.abort(o.request_id)
+        aborts.discard(o.request_id)
+      elif o.finished:
+        final[o.request_id] = o.outputs[0]
+  outs = [final.get(r) for r in rids]
+  print(json.dumps({"tokens": [o and o.token_ids for o in outs],
                     "logprobs": [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)]
-                                 for o in outs]}), flush=True)
+                                 if o is not None and o.logprobs else None for o in outs],
+                    "leaks": leaks(getattr(engine, "prefill", [engine]))}), flush=True)
   llm.close()
+elif hasattr(llm.engine, "decode"):  # a decode process, released by the leader's close
+  print(json.dumps({"leaks": leaks(llm.engine.decode), "preemptions": sum(
+      e.scheduler.num_preemptions for e in llm.engine.decode)}), flush=True)

@@ -140,7 +140,7 @@ def test_disaggregated_matches_colocated(model):
   # A transfer whose write consumes the decode cache and fails.
   dst = narrow.decode[0]
   copiers = [narrow.copiers[(p, dst)] for p in narrow.prefill]
-  real = copiers[0]._scatter
+  real = copiers[0].scatter._fn
   calls = []
 
   def failing_scatter(cache, pages, ids):
@@ -151,10 +151,10 @@ def test_disaggregated_matches_colocated(model):
     raise RuntimeError("injected transfer failure")
 
   for c in copiers:
-    c._scatter = failing_scatter
+    c.scatter._fn = failing_scatter
   got = _run(narrow, prompts, [GREEDY])
   for c in copiers:
-    c._scatter = real
+    c.scatter._fn = real
   failed = [o for o in got if o.error is not None]
   assert len(failed) == 1 and "injected transfer failure" in failed[0].error
   assert failed[0].outputs[0].finish_reason == "error"
@@ -305,3 +305,78 @@ def test_the_flag_spells_the_config():
       prefill_devices=2, decode_tensor_parallel_size=4)
   args = cli.parser().parse_args(["bench", "--kv-transfer-config", '{"prefill_devices": 1}'])
   assert cli._engine_config(args, max_model_len=64).kv_transfer.prefill_devices == 1
+
+
+# -- across processes ------------------------------------------------------------------------
+def _two_processes(tiny_model_path, spec, kill_decode_after_start=False):
+  """Process 0 (prefill, 4 host devices) and process 1 (decode, 4), on loopback: their JSON
+  lines, or the killed run's (process 0's return code, stderr)."""
+  import json
+  import signal
+  import time
+
+  from tests.engine_fixtures import free_port, spawn_process
+  port = free_port()
+  leader, follower = procs = [spawn_process(tiny_model_path, port, pid, spec) for pid in (0, 1)]
+  if kill_decode_after_start:
+    t0 = time.monotonic()
+    while "generating" not in leader.stderr.readline():  # process 0 is past its warmup
+      assert time.monotonic() - t0 < 600 and leader.poll() is None
+    follower.send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    _, err = leader.communicate(timeout=120)
+    return leader.returncode, err, time.monotonic() - t0
+  outs = [p.communicate(timeout=600) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+  return [json.loads(o[0].splitlines()[-1]) for o in outs]  # gloo logs on stdout too
+
+
+PROMPTS = [[7, 300, 12, 9000, 5], list(range(100, 160)), [42] * 20, list(range(900, 937))]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (see conftest.py)")
+def test_across_processes_matches_colocated(tiny_model_path, tiny_model):
+  """`kv_connector: "jax_transfer"`: process 0 prefills (TP 2), process 1 decodes. Two decode
+  engines of TP 2 take the pages shard by shard; one of TP 4 (each KV head twice) through one
+  device, with a pool small enough to preempt (recomputed on process 0). Greedy tokens and
+  logprobs and seeded samples are the colocated engine's; a request aborted once its first
+  token is out is dropped; neither process holds a page or a request at the end."""
+  sizes = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, page_size=16)
+  colocated = LLMEngine.from_parts(*tiny_model, warmup=False, config=EngineConfig.of(
+      **sizes, tensor_parallel_size=2))
+  greedy = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1)
+  seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7)
+  want = _run(colocated, PROMPTS, [greedy, seeded])
+  for kvt, num_pages, abort in (({"decode_tensor_parallel_size": 2}, None, [3]),
+                                ({"decode_tensor_parallel_size": 4, "decode_devices": 4}, 10, [])):
+    options = dict(sizes, tensor_parallel_size=2, compilation_cache=False, kv_transfer_config={
+        "kv_connector": "jax_transfer", "prefill_devices": 2, **kvt})
+    if num_pages:
+      options["num_pages"] = num_pages
+    got, decode = _two_processes(tiny_model_path, dict(
+        options=options, prompts=PROMPTS, max_tokens=24, seeded=True, abort=abort))
+    assert got["leaks"] == [] and decode["leaks"] == []
+    for i, w in enumerate(want):
+      tokens, logprobs = got["tokens"][i], got["logprobs"][i]
+      if i in abort:
+        assert tokens is None
+        continue
+      assert tokens == w.outputs[0].token_ids, (kvt, i)
+      if logprobs is not None:
+        np.testing.assert_allclose(logprobs, [lp[t] for lp, t in zip(
+            w.outputs[0].logprobs, w.outputs[0].token_ids)], atol=1e-4)
+    if num_pages:
+      assert decode["preemptions"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (see conftest.py)")
+def test_a_killed_decode_process_ends_the_prefill_process(tiny_model_path):
+  spec = dict(options=dict(max_model_len=512, max_num_batched_tokens=32, compilation_cache=False,
+                           kv_transfer_config={"kv_connector": "jax_transfer",
+                                               "prefill_devices": 1}),
+              prompts=PROMPTS, max_tokens=400)
+  code, err, seconds = _two_processes(tiny_model_path, spec, kill_decode_after_start=True)
+  assert code != 0 and seconds < 60
+  assert "decode process 1 is gone" in err, err[-3000:]

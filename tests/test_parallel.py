@@ -8,9 +8,6 @@ import functools
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import jax
@@ -32,12 +29,11 @@ from jinfer.parallel.mesh import ParallelConfig, make_mesh
 from jinfer.quant.groupwise import GroupwiseArray
 from jinfer.sampling.params import SamplingParams
 from pallas_kernels import AttentionMetadata
-from tests.engine_fixtures import SMOLLM2, CompileCounter
+from tests.engine_fixtures import SMOLLM2, CompileCounter, free_port, spawn_process
 from tests.tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
                                 reason="needs 8 devices (conftest.py sets jax_num_cpu_devices)")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -- ring attention against one device ------------------------------------------------------
@@ -502,19 +498,6 @@ def test_expert_parallel_needs_experts_to_divide(moe_params):
 
 
 # -- two processes on loopback ----------------------------------------------------------------
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _spawn(model_dir, port, pid, spec):
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "multiprocess_worker.py"),
-                           model_dir, str(port), str(pid), "4", json.dumps(spec)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tiny_model_path, tiny_model):
   """An HF directory each process loads, and its params loaded here."""
@@ -529,8 +512,8 @@ MP_SPEC = dict(options=dict(BASE, max_model_len=512, max_num_batched_tokens=64,
 @pytest.mark.slow
 def test_two_processes_match_one(tiny_dir):
   path, loaded = tiny_dir
-  port = _free_port()
-  procs = [_spawn(path, port, pid, MP_SPEC) for pid in (0, 1)]
+  port = free_port()
+  procs = [spawn_process(path, port, pid, MP_SPEC) for pid in (0, 1)]
   outs = [p.communicate(timeout=600) for p in procs]
   assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
   got = json.loads(outs[0][0].splitlines()[-1])  # gloo logs its connections on stdout too
@@ -544,10 +527,10 @@ def test_two_processes_match_one(tiny_dir):
 
 @pytest.mark.slow
 def test_killed_peer_is_an_error_not_a_hang(tiny_dir):
-  port = _free_port()
+  port = free_port()
   # Long enough to be killed mid-way; a 10 s heartbeat instead of the default 30 s to wait out.
   spec = dict(MP_SPEC, max_tokens=400, heartbeat_timeout_s=10)
-  procs = [_spawn(tiny_dir[0], port, pid, spec) for pid in (0, 1)]
+  procs = [spawn_process(tiny_dir[0], port, pid, spec) for pid in (0, 1)]
   leader, follower = procs
   t0 = time.monotonic()
   while "generating" not in leader.stderr.readline():  # the leader is past warmup

@@ -28,6 +28,17 @@ carry a prefill chunk.
 
 Speculative decoding runs on the decode side ("ngram" or "medusa": a draft model's own cache is
 not handed over); the prefill engines do not speculate. A request samples n = 1 sequence here.
+
+Across processes (`kv_connector: "jax_transfer"`, under `jax.distributed`), process 0 runs this
+coordinator with its prefill engines and serves; every other process runs it with its decode
+engines only (`follow`). A decode engine of another process is a `_RemoteEngine` here: the
+hand-over gathers the pages on the prefill devices and offers them to JAX's transfer API
+(`TransferEndpoint`), and sends the request (its sequence, the pages' layout and the offer's
+number) over the processes' socket (`jinfer/parallel/peer_link.py`). The decode process pulls
+the pages onto its devices at once (which frees the prefill side's copy), writes them into its
+pool when it has room, and sends back, after each of its steps, the outputs, the sequences it
+preempted (recomputed on the prefill side, as in one process) and the ones it took in. A
+request's times are on process 0's clock: the decode process shifts the ones it stamps.
 """
 from __future__ import annotations
 
@@ -45,10 +56,13 @@ import numpy as np
 from jinfer.engine.engine import EngineStats, LLMEngine, _Group
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.front_end import FrontEnd, combined_stats
-from jinfer.engine.kv_transfer import PageCopier, _error
+from jinfer.engine.kv_transfer import (PageCopier, PageGather, PageScatter, TransferEndpoint,
+                                       _error)
 from jinfer.engine.request import RequestOutput, Sequence, Status
 from jinfer.errors import ParameterError
 from jinfer.models.kv_groups import KVGroups
+from jinfer.parallel import distributed, peer_link
+from jinfer.parallel.peer_link import PeerLink, PeerLost
 from jinfer.sampling.params import SamplingParams
 from pallas_kernels.kv_cache_layout import SINK_PAGE
 
@@ -61,7 +75,7 @@ class _Transfer:
   group: _Group
   seq: Sequence
   dst: LLMEngine
-  copier: PageCopier
+  scatter: PageScatter
   staged: Any  # the pages' K/V on the decode devices (the copy may still be running)
   num_pages: int
   # Per KV group: (its pages' count by position, how many lead ones a window group gave back).
@@ -69,20 +83,32 @@ class _Transfer:
   layout: list[tuple[int, int]]
 
 
+@dataclasses.dataclass(eq=False)
+class _RemoteEngine:
+  """A decode engine of another process, as process 0 sees it (`jax_transfer`)."""
+  link: PeerLink
+  index: int  # among that process's decode engines
+  max_num_seqs: int
+  num_kv_heads: int
+  num_devices: int
+  bytes_per_page: int
+  stats: EngineStats
+  requests: set[str] = dataclasses.field(default_factory=set)  # it holds, or is sent
+  staged: set[str] = dataclasses.field(default_factory=set)  # sent, not yet in its pool
+
+
 class DisaggregatedEngine(FrontEnd):
   """Prefill and decode engines behind the one-engine interface (`LLM` and the server drive it
   unchanged); see the module docstring."""
 
   def _check(self, config: EngineConfig) -> None:
-    config.kv_transfer.groups(config.parallel.tensor_parallel_size, jax.devices())
+    config.kv_transfer.groups(config.parallel.tensor_parallel_size)
 
   def _build(self, model_config, params, tokenizer, config: EngineConfig, dtype,
              warmup: bool | str):
     kvt = self.kv_transfer = config.kv_transfer
-    if jax.process_count() > 1:
-      raise _error("prefill and decode groups run in one process (kv_connector 'in_process')")
     tp = config.parallel.tensor_parallel_size
-    prefill_devices, decode_devices = kvt.groups(tp, jax.devices())
+    prefill_devices, decode_devices = kvt.groups(tp)
     base = config.replace(kv_transfer_config=None)
     pre = base.replace(tensor_parallel_size=kvt.prefill_tensor_parallel_size or tp,
                        num_pages=kvt.prefill_num_pages or config.cache.num_pages,
@@ -114,7 +140,7 @@ class DisaggregatedEngine(FrontEnd):
       e.scheduler.admit_waiting = False
     self.copiers = {(p, d): PageCopier(p.runner, d.runner)
                     for p in self.prefill for d in self.decode}
-    e0 = self.decode[0]
+    e0 = (self.decode or self.prefill)[0]
     self.model_config, self.tokenizer, self.config = e0.model_config, tokenizer, e0.config
     self.max_model_len = e0.max_model_len
     engines = self.prefill + self.decode
@@ -135,23 +161,168 @@ class DisaggregatedEngine(FrontEnd):
     self._seed_rng = np.random.default_rng(config.model.seed)
     self._ids = itertools.count()
     self.num_transfers = self.transfer_bytes = 0
+    # Across processes: process 0's view of the other processes' decode engines, or a decode
+    # process's link to process 0 (and what it sends after each step).
+    self.remote: list[_RemoteEngine] = []
+    self._leader: PeerLink | None = None
+    self._returned: list[_Group] = []
+    self._adopted: list[str] = []
+    self._closing = False
+    if not kvt.in_process:
+      self._join(tokenizer, warmup)
+      return
     t0 = time.monotonic()
     if warmup:
-      rest = warmup if isinstance(warmup, str) else None
-      with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
-        list(pool.map(lambda e: e.warmup(rest), engines))
+      self._warm(engines, warmup)
       for (p, d), c in self.copiers.items():
         c.compile(p.runner.kv_cache, d.runner.kv_cache, p.config.max_pages_per_seq)
     self.warmup_seconds = time.monotonic() - t0
 
+  def _warm(self, engines: list[LLMEngine], warmup: bool | str):
+    rest = warmup if isinstance(warmup, str) else None
+    with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
+      list(pool.map(lambda e: e.warmup(rest), engines))
+
+  # -- across processes ------------------------------------------------------------------------
+  def _join(self, tokenizer, warmup: bool | str):
+    """`jax_transfer`: process 0 listens, shares where (one broadcast, every process), warms
+    its engines and takes each decode process's greeting; a decode process warms its engines,
+    then connects and greets."""
+    kvt, local = self.kv_transfer, jax.local_devices()
+    self._endpoint = TransferEndpoint(local[0], kvt.kv_ip)
+    names = {"tokenizer": tokenizer} if tokenizer is not None else {}
+    leads = jax.process_index() == 0
+    if leads:
+      listener, address, key = peer_link.listen(kvt.kv_ip)
+      where = distributed.broadcast_json(
+          {"address": address, "key": key.hex(), "transfer": self._endpoint.address}, True)
+    else:
+      where = distributed.broadcast_json()
+    self._peer_transfer = where["transfer"]
+    t0 = time.monotonic()
+    if warmup:
+      self._warm(self.prefill + self.decode, warmup)
+    self.scatters = {d: PageScatter(d.runner) for d in self.decode}
+    if warmup:
+      for d, sc in self.scatters.items():
+        sc.compile(d.runner.kv_cache, d.config.max_pages_per_seq)
+    if not leads:
+      conn = peer_link.connect(where["address"], bytes.fromhex(where["key"]))
+      t_sent = time.monotonic()
+      conn.send({"process": jax.process_index(), "engines": [
+          dict(max_num_seqs=d.scheduler.config.max_num_seqs,
+               num_kv_heads=d.runner.config.num_kv_heads,
+               num_devices=len(d.runner.mesh.devices.flat),
+               bytes_per_page=self.scatters[d].bytes_per_page, stats=d.stats())
+          for d in self.decode]})
+      # Process 0's clock, read halfway through the round trip: what to add to a time here.
+      self._clock_offset = conn.recv() - (t_sent + time.monotonic()) / 2
+      self._leader = PeerLink(conn, "the prefill process (process 0)", names)
+    else:
+      for _ in range(jax.process_count() - 1):
+        conn = listener.accept()
+        hello = conn.recv()
+        conn.send(time.monotonic())
+        link = PeerLink(conn, f"decode process {hello['process']}", names)
+        self.remote += [_RemoteEngine(link, i, **e) for i, e in enumerate(hello["engines"])]
+      listener.close()
+      self.gathers = {(p, r): PageGather(p.runner, r.num_kv_heads)
+                      for p in self.prefill for r in self.remote}
+      if warmup:
+        for (p, r), g in self.gathers.items():
+          g.compile(p.runner.kv_cache, p.config.max_pages_per_seq)
+    self.warmup_seconds = time.monotonic() - t0
+
+  def follow(self):
+    """On a decode process: decode what process 0 hands over until it closes, sending back
+    after each step what came of it."""
+    try:
+      while not self._closing:
+        outputs = self._step(wait_for_peer=True)
+        returned, self._returned = self._returned, []
+        adopted, self._adopted = self._adopted, []
+        if outputs or returned or adopted:
+          shift = self._clock_offset
+          for g in returned:
+            for seq in g.seqs:
+              seq.metrics = seq.metrics.shifted(shift)
+          self._leader.send(dict(
+              outputs=[dataclasses.replace(o, metrics=o.metrics and o.metrics.shifted(shift))
+                       for o in outputs],
+              returned=returned, adopted=adopted, stats=[d.stats() for d in self.decode]))
+    finally:
+      self.close()
+
+  def _read_peers(self):
+    """Apply what the other processes sent (raises PeerLost if one is gone)."""
+    if self._leader is not None:
+      for kind, *args in self._leader.receive():
+        if kind == "adopt":
+          self._pull(*args)
+        elif kind == "abort":
+          self._aborts.add(args[0])
+        elif kind == "close":
+          self._closing = True
+      return
+    for r in {r.link: r for r in self.remote}.values():
+      mine = [e for e in self.remote if e.link is r.link]
+      for msg in r.link.receive():
+        for e, st in zip(mine, msg["stats"]):
+          e.stats = st
+        for rid in msg["adopted"]:
+          for e in mine:
+            e.staged.discard(rid)
+        for o in msg["outputs"]:
+          where = self._where.get(o.request_id)
+          if where in mine:
+            self._outputs.append(o)
+            if o.finished:
+              where.requests.discard(o.request_id)
+              where.staged.discard(o.request_id)
+        for group in msg["returned"]:
+          where = self._where.get(group.request_id)
+          if where in mine:
+            where.requests.discard(group.request_id)
+            where.staged.discard(group.request_id)
+            self._return(group)
+
+  def _pull(self, index: int, uuid: int, num_padded: int, sharded: bool, group: _Group,
+            layout: list[tuple[int, int]], num_pages: int):
+    """On a decode process: pull a hand-over's pages onto decode engine `index`'s devices now
+    (freeing process 0's copy), to be written into its pool when it has room."""
+    d = self.decode[index]
+    sc = self.scatters[d]
+    seq = group.seqs[0]
+    for s in group.seqs:
+      s.metrics = s.metrics.shifted(-self._clock_offset)
+      # Python salts str hashes per process: the prefix cache's chain is recomputed here.
+      s.page_hashes, s.pages_offered = [], 0
+      if s.params.structured_outputs is not None and not s.finished:
+        s.matcher = d.grammars.matcher(s.params.structured_outputs)
+        for t in s.output_token_ids:
+          s.matcher.consume_token(t)
+    try:
+      one = jax.sharding.SingleDeviceSharding(d.runner.mesh.devices.flat[0])
+      staged = self._endpoint.pull(self._peer_transfer, uuid, sc.specs(
+          d.runner.kv_cache, num_padded, None if sharded else one))
+      if not sharded:
+        staged = jax.device_put(staged, sc.sharding)
+    except Exception as e:  # noqa: BLE001 - the request's own failure, reported as its error
+      log.error("KV transfer of request %s failed", group.request_id, exc_info=e)
+      return self._fail(group, f"KV transfer failed: {e!r}")
+    self._timer.submit(_mark_done, staged, seq.metrics)
+    t = _Transfer(group, seq, d, sc, staged, num_pages, layout)
+    self._transfers.append(t)
+    self._where[group.request_id] = t
+
   # -- what reports read: the decode side's ---------------------------------------------------
   @property
   def blocks(self):
-    return self.decode[0].blocks
+    return (self.decode or self.prefill)[0].blocks
 
   @property
   def runner(self):
-    return self.decode[0].runner
+    return (self.decode or self.prefill)[0].runner
 
   # -- requests -----------------------------------------------------------------------------
   def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -163,8 +334,10 @@ class DisaggregatedEngine(FrontEnd):
                                 "requests")
     return self.prefill[0].validate(prompt_token_ids, params)
 
-  def load(self, engine: LLMEngine) -> int:
+  def load(self, engine: LLMEngine | _RemoteEngine) -> int:
     """Sequences an engine holds or will be given."""
+    if isinstance(engine, _RemoteEngine):
+      return len(engine.requests)
     s = engine.scheduler
     return (len(s.running) + len(s.waiting) + len(engine.handoffs)
             + len(self._adds.get(engine, ()))
@@ -203,6 +376,16 @@ class DisaggregatedEngine(FrontEnd):
     return set().union(*(e.running_request_ids() for e in self.prefill + self.decode))
 
   def close(self):
+    """Stop every engine; on process 0 across processes, release the decode processes too."""
+    for r in {r.link: r for r in self.remote}.values():
+      try:
+        r.link.send(("close",))
+      except PeerLost:
+        pass
+      r.link.close()
+    self.remote = []
+    if self._leader is not None:
+      self._leader.close()
     for pool in [*self._threads.values(), self._timer]:
       pool.shutdown(wait=True)
     for e in self.prefill + self.decode:
@@ -214,12 +397,19 @@ class DisaggregatedEngine(FrontEnd):
 
   # -- the loop -----------------------------------------------------------------------------
   def step(self) -> list[RequestOutput]:
-    """Start a step on every idle engine that has work, wait until one (any) is done, and
-    return what it produced, with the hand-overs it made started."""
+    """Start a step on every idle engine that has work, wait until one (any) is done, or
+    another process's news arrives, and return what it produced, with the hand-overs it made
+    started."""
+    return self._step(wait_for_peer=any(r.requests for r in self.remote))
+
+  def _step(self, wait_for_peer: bool) -> list[RequestOutput]:
     self._between_steps()
-    if self._inflight:
-      concurrent.futures.wait(self._inflight.values(),
-                              return_when=concurrent.futures.FIRST_COMPLETED)
+    waits = list(self._inflight.values())
+    if wait_for_peer:
+      waits += [r.link.ready for r in self.remote] + (
+          [self._leader.ready] if self._leader else [])
+    if waits:
+      concurrent.futures.wait(waits, return_when=concurrent.futures.FIRST_COMPLETED)
       for e, fut in list(self._inflight.items()):
         if fut.done():
           del self._inflight[e]
@@ -236,6 +426,7 @@ class DisaggregatedEngine(FrontEnd):
 
   def _between_steps(self):
     """Everything that touches an idle engine, then start the idle engines that have work."""
+    self._read_peers()
     self._apply_aborts()
     for e in self.prefill:
       if self._idle(e):
@@ -272,10 +463,18 @@ class DisaggregatedEngine(FrontEnd):
       while engine.scheduler.waiting:
         seq = engine.scheduler.waiting.popleft()
         group = engine.groups.pop(seq.group_id)
-        dst = min(self.prefill, key=self.load)
-        self._adopts[dst].append(group)
-        self._where[group.request_id] = dst
+        if self._leader is not None:  # to process 0, after this step
+          self._returned.append(group)
+          self._where.pop(group.request_id, None)
+        else:
+          self._return(group)
     return outputs
+
+  def _return(self, group: _Group):
+    """A sequence the decode side preempted, to be recomputed on the prefill side."""
+    dst = min(self.prefill, key=self.load)
+    self._adopts[dst].append(group)
+    self._where[group.request_id] = dst
 
   def _send_parked(self, engine: LLMEngine):
     """Start the hand-over of a prefill engine's parked sequences while the decode side has
@@ -284,23 +483,38 @@ class DisaggregatedEngine(FrontEnd):
     copies never pile up on the decode devices."""
     keep = []
     for seq in engine.handoffs:
-      dst = min(self.decode, key=self.load)
-      if sum(t.dst is dst for t in self._transfers) >= dst.scheduler.config.max_num_seqs:
+      dst = min(self.decode or self.remote, key=self.load)
+      if isinstance(dst, _RemoteEngine):
+        staged, room = len(dst.staged), dst.max_num_seqs
+      else:
+        staged = sum(t.dst is dst for t in self._transfers)
+        room = dst.scheduler.config.max_num_seqs
+      if staged >= room:
         keep.append(seq)
       else:
         self._send(engine, seq, dst)
     engine.handoffs[:] = keep
 
-  def _send(self, src: LLMEngine, seq: Sequence, dst: LLMEngine):
+  def _send(self, src: LLMEngine, seq: Sequence, dst: LLMEngine | _RemoteEngine):
     group = src.groups.pop(seq.group_id)
-    copier = self.copiers[(src, dst)]
     seq.metrics.handoff_time = time.monotonic()
     seq.metrics.transfer_done_time = seq.metrics.decode_start_time = None
     # Only the pages the sequence holds: a window group's given-back ones (-1) lead its list.
     present = [p for pages in seq.pages for p in pages if p >= 0]
     layout = [(len(pages), pages.count(-1)) for pages in seq.pages]
+    remote = isinstance(dst, _RemoteEngine)
     try:
-      staged = copier.send(src.runner.kv_cache, present)
+      if remote:
+        staged = self.gathers[(src, dst)](src.runner.kv_cache, present)
+        # Shard by shard onto a mesh laid out alike; any other through one device.
+        sharded = (dst.num_devices == len(src.runner.mesh.devices.flat)
+                   and dst.num_kv_heads == src.runner.config.num_kv_heads)
+        if not sharded:
+          staged = jax.device_put(staged, jax.sharding.SingleDeviceSharding(
+              src.runner.mesh.devices.flat[0]))
+        uuid = self._endpoint.offer(staged)
+      else:
+        staged = self.copiers[(src, dst)].send(src.runner.kv_cache, present)
     except Exception as e:  # noqa: BLE001 - the request's own failure, reported as its error
       staged, error = None, e
     n = len(present)
@@ -312,12 +526,21 @@ class DisaggregatedEngine(FrontEnd):
     if staged is None:
       log.error("KV transfer of request %s failed", group.request_id, exc_info=error)
       return self._fail(group, f"KV transfer failed: {error!r}")
-    nbytes = n * copier.bytes_per_page
+    nbytes = n * (dst.bytes_per_page if remote else self.copiers[(src, dst)].bytes_per_page)
     seq.metrics.kv_transfer_bytes += nbytes
     self.num_transfers += 1
     self.transfer_bytes += nbytes
+    if remote:
+      for s in group.seqs:  # rebuilt on the other side: these do not cross processes
+        s.matcher = s.spec_state = s.wait_for = None
+      dst.link.send(("adopt", dst.index, uuid, jax.tree.leaves(staged)[0].shape[1], sharded,
+                     group, layout, n))
+      dst.requests.add(group.request_id)
+      dst.staged.add(group.request_id)
+      self._where[group.request_id] = dst
+      return
     self._timer.submit(_mark_done, staged, seq.metrics)
-    t = _Transfer(group, seq, dst, copier, staged, n, layout)
+    t = _Transfer(group, seq, dst, self.copiers[(src, dst)].scatter, staged, n, layout)
     self._transfers.append(t)
     self._where[group.request_id] = t
 
@@ -353,7 +576,7 @@ class DisaggregatedEngine(FrontEnd):
         elif row[i] >= 0:
           targets.append(SINK_PAGE)
     try:
-      cache = t.copier.receive(d.runner.kv_cache, t.staged, targets)
+      cache = t.scatter.receive(d.runner.kv_cache, t.staged, targets)
     except Exception as e:  # noqa: BLE001 - fails this request (and, if the cache went, recomputes)
       log.error("KV transfer of request %s failed", t.group.request_id, exc_info=e)
       for row in pages:
@@ -372,18 +595,23 @@ class DisaggregatedEngine(FrontEnd):
     seq.metrics.decode_start_time = time.monotonic()
     d.adopt(t.group)
     self._where[t.group.request_id] = d
+    self._adopted.append(t.group.request_id)
 
   def _fail(self, group: _Group, reason: str):
     """End a request that is in no engine with an error."""
     for seq in group.seqs:
       if not seq.finished:
         seq.finish_reason, seq.stop_reason, seq.status = "error", reason, Status.FINISHED
-    self._outputs.append(self.decode[0]._output(group))
+    self._outputs.append((self.decode or self.prefill)[0]._output(group))
 
   def _apply_aborts(self):
     for rid in list(self._aborts):
       where = self._where.get(rid)
-      if isinstance(where, _Transfer):  # its prefill pages are free, no decode page is taken
+      if isinstance(where, _RemoteEngine):  # the decode process frees what it holds
+        where.link.send(("abort", rid))
+        where.requests.discard(rid)
+        where.staged.discard(rid)
+      elif isinstance(where, _Transfer):  # its prefill pages are free, no decode page is taken
         self._transfers.remove(where)
         where.seq.finish_reason, where.seq.status = "abort", Status.FINISHED
       elif where is not None:
@@ -407,11 +635,12 @@ class DisaggregatedEngine(FrontEnd):
   def stats(self) -> EngineStats:
     """Counts summed over every engine of both groups; ratios are their mean; steps the busiest
     engine's. The transfers' own counts: `num_transfers`, `transfer_bytes`."""
-    per = [e.stats() for e in self.prefill + self.decode]
+    per = ([e.stats() for e in self.prefill + self.decode]
+           + [r.stats for r in self.remote])  # as each decode process last reported
     waiting = sum(len(a) + len(b) for a, b in zip(self._adds.values(), self._adopts.values()))
     # KV bytes per sequence: the decode side's, where sequences spend their lives.
     return combined_stats(
-        per, holders=per[len(self.prefill):],
+        per, holders=per[len(self.prefill):] or None,
         num_waiting=sum(s.num_waiting for s in per) + waiting + len(self._transfers),
         spec=next((s.spec for s in per if s.spec is not None), None))
 

@@ -141,11 +141,14 @@ class LLMEngine:
     spec = config.speculative
     self.proposer: Proposer | None = None
     self.spec_stats = None
-    if spec is not None and jax.process_count() > 1:
+    # A mesh over several processes' devices (unless it is given this process's own).
+    spans_processes = jax.process_count() > 1 and (
+        devices is None or len({d.process_index for d in devices}) > 1)
+    if spec is not None and spans_processes:
       raise ValueError("speculative decoding does not run on several processes yet")
     self.scheduler = Scheduler(config.scheduler, self.blocks, config.max_pages_per_seq,
                                lookahead=self._lookahead if spec is not None else None)
-    if jax.process_count() > 1 and (par.data_parallel_size > 1 or
+    if spans_processes and (par.data_parallel_size > 1 or
                                     par.devices_per_engine != jax.device_count()):
       raise ValueError(f"with several processes the mesh spans every device: "
                        f"tensor_parallel_size x context_parallel_size must be "
@@ -388,6 +391,11 @@ class LLMEngine:
 
   def has_unfinished_requests(self) -> bool:
     return bool(self.groups)
+
+  def follow(self):
+    """On a process other than the leader of several: run the leader's steps until it
+    closes."""
+    self.runner.follow()
 
   def close(self):
     """Stop compiling in the background, and release the other processes of a multi-process

@@ -167,6 +167,12 @@ class EngineConfig:
                            f"must be at least 2 x context_parallel_size ({cp}): each rank holds "
                            f"two chunks")
 
+  @property
+  def runs_own_steps(self) -> bool:
+    """Whether every process of several schedules and steps engines of its own (disaggregated
+    across processes) rather than running process 0's steps."""
+    return self.kv_transfer is not None and not self.kv_transfer.in_process
+
   @classmethod
   def of(cls, **options: Any) -> "EngineConfig":
     """From flat option names (vLLM's): `EngineConfig.of(max_model_len=1024, page_size=32,

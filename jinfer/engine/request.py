@@ -30,6 +30,16 @@ class RequestMetrics:
   decode_start_time: float | None = None
   kv_transfer_bytes: int = 0
 
+  def shifted(self, delta: float) -> "RequestMetrics":
+    """These times on a clock `delta` seconds ahead (another host's)."""
+    t = lambda v: None if v is None else v + delta
+    return dataclasses.replace(
+        self, arrival_time=self.arrival_time + delta,
+        **{f: t(getattr(self, f)) for f in (
+            "first_scheduled_time", "first_token_time", "last_token_time", "finished_time",
+            "handoff_time", "transfer_done_time", "decode_start_time")},
+        token_times=[v + delta for v in self.token_times])
+
   @property
   def queue_time(self) -> float | None:
     return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time

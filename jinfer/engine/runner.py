@@ -182,7 +182,8 @@ class ModelRunner:
     self._shapes_run: set[tuple[int, bool, bool]] = set()
     # Several processes (jinfer/parallel/distributed.py): process 0 announces each step by its
     # index in this list of every step shape, then sends its input.
-    self._multiprocess = jax.process_count() > 1
+    self._multiprocess = mesh is not None and len(
+        {d.process_index for d in mesh.devices.flat}) > 1
     self._variants = buckets.shapes(True)
 
   def run(self, inp: StepInput, drafts: jax.Array | None = None) -> StepOutput:

@@ -12,6 +12,7 @@ in a collective forever.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 
 import jax
@@ -59,3 +60,17 @@ def initialize(config: DistributedConfig) -> None:
 def broadcast(tree, is_source: bool):
   """`tree` (numpy leaves) from process 0 to all; the others pass a same-shaped template."""
   return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree, is_source))
+
+
+def broadcast_json(value=None, is_source: bool = False, max_bytes: int = 4096):
+  """A small JSON value from process 0 to all (every process calls it; the others pass None)."""
+  buf = np.zeros(max_bytes + 4, np.uint8)
+  if is_source:
+    data = json.dumps(value).encode()
+    if len(data) > max_bytes:
+      raise ValueError(f"{len(data)} bytes to broadcast; at most {max_bytes}")
+    buf[:4] = np.frombuffer(np.uint32(len(data)).tobytes(), np.uint8)
+    buf[4:4 + len(data)] = np.frombuffer(data, np.uint8)
+  buf = broadcast(buf, is_source)
+  n = int(np.frombuffer(buf[:4].tobytes(), np.uint32)[0])
+  return json.loads(buf[4:4 + n].tobytes())

@@ -91,7 +91,7 @@ def serve(model: str, *, options: ServerOptions = ServerOptions(),
   distributed.initialize(distributed_config)
   config = config or EngineConfig()
   if not distributed_config.is_leader:
-    create_engine(model, config=config, warmup=False).runner.follow()
+    create_engine(model, config=config, warmup=config.runs_own_steps).follow()
     return
   # Bind before the minute-long model load and warmup, so a taken port fails at once.
   sock = socket.create_server((options.host, options.port),
