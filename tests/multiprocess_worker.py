@@ -1,14 +1,15 @@
 """One process of a multi-process run (tests/test_parallel.py starts two on loopback).
 
 argv: model directory, coordinator port, process id, devices per process, then a JSON object of
-engine options and prompts (and optionally: the heartbeat timeout, seeded samples too, requests to
-abort). Process 0 prints the tokens and their logprobs as JSON on stdout; a decode process of
-disaggregated serving, what its engines still hold once released.
+engine options and prompts (and optionally: the heartbeat timeout, seeded samples too, ignore_eos,
+requests to abort, to be killed after). Process 0 prints the tokens and their logprobs as JSON on stdout
+(and, disaggregated, what the decode process reports holding at the end).
 """
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 import jax
 
@@ -40,10 +41,10 @@ def leaks(engines) -> list[str]:
 
 if llm.is_leader:
   print("generating", file=sys.stderr, flush=True)
-  params = [SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=1)]
+  run = dict(max_tokens=spec["max_tokens"], ignore_eos=spec.get("ignore_eos", False))
+  params = [SamplingParams(**run, temperature=0.0, logprobs=1)]
   if spec.get("seeded"):
-    params.append(SamplingParams(max_tokens=spec["max_tokens"], temperature=1.0, top_p=0.9,
-                                 seed=7))
+    params.append(SamplingParams(**run, temperature=1.0, top_p=0.9, seed=7))
   engine = llm.engine
   rids = [engine.add_request(None, p, sp) for p in spec["prompts"] for sp in params]
   # `abort`: requests aborted once their first token is out (their pages in flight or on the
@@ -58,11 +59,21 @@ if llm.is_leader:
       elif o.finished:
         final[o.request_id] = o.outputs[0]
   outs = [final.get(r) for r in rids]
-  print(json.dumps({"tokens": [o and o.token_ids for o in outs],
-                    "logprobs": [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)]
-                                 if o is not None and o.logprobs else None for o in outs],
-                    "leaks": leaks(getattr(engine, "prefill", [engine]))}), flush=True)
+  report = {"tokens": [o and o.token_ids for o in outs],
+            "logprobs": [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)]
+                         if o is not None and o.logprobs else None for o in outs],
+            "leaks": leaks(getattr(engine, "prefill", [engine]))}
+  if getattr(engine, "remote", None):  # disaggregated: what the decode process reports holding
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10 and any(r.stats.kv_pages_used or r.stats.num_running
+                                            for r in engine.remote):
+      engine.step()  # reads what it sent last (an abort's effect comes after the last token)
+      time.sleep(0.05)
+    report["decode"] = [dict(pages_used=r.stats.kv_pages_used, running=r.stats.num_running,
+                             preemptions=r.stats.num_preemptions) for r in engine.remote]
+  print(json.dumps(report), flush=True)
+  if spec.get("then_killed"):  # the test kills the other process during this one
+    print("generating again", file=sys.stderr, flush=True)
+    llm.generate(spec["prompts"], SamplingParams(max_tokens=60, ignore_eos=True),
+                 use_tqdm=False)
   llm.close()
-elif hasattr(llm.engine, "decode"):  # a decode process, released by the leader's close
-  print(json.dumps({"leaks": leaks(llm.engine.decode), "preemptions": sum(
-      e.scheduler.num_preemptions for e in llm.engine.decode)}), flush=True)

@@ -243,7 +243,7 @@ def test_pages_copy_between_meshes_and_head_layouts():
     mesh = make_mesh(ParallelConfig(tensor_parallel_size=tp), devs)
     sh = kv_cache_sharding(mesh, quantized=True)
     cache = QuantizedKVCache(values, values[..., 0] * 0.5)  # [L, pages, 2, H, ps, D], [.., ps]
-    return SimpleNamespace(config=SimpleNamespace(num_kv_heads=heads),
+    return SimpleNamespace(config=SimpleNamespace(num_kv_heads=heads), mesh=mesh,
                            kv_cache=jax.device_put(cache, sh))
 
   src = side(2, 2, devices[:2], rng.standard_normal((2, 6, 2, 2, 4, 8)).astype(np.float32))
@@ -257,6 +257,24 @@ def test_pages_copy_between_meshes_and_head_layouts():
     np.testing.assert_array_equal(got[:, [7, 2, 5]], np.repeat(want[:, [3, 1, 4]], 2, axis=3))
     assert not got[:, [1, 3, 4, 6, 8]].any()  # no other page written (the sink is scratch)
   assert copier.bytes_per_page == 2 * 2 * 4 * 4 * (8 + 1) * 4
+
+  # To an engine of another process, over JAX's transfer API (here between two endpoints of
+  # this process): into TP 4 through one device, into a TP 2 mesh laid out alike shard by shard.
+  from jinfer.engine.kv_transfer import PageReceiver, PageSender, TransferEndpoint
+  a, b = TransferEndpoint(devices[0], "127.0.0.1"), TransferEndpoint(devices[4], "127.0.0.1")
+  wide = side(4, 4, devices[4:], np.zeros((2, 9, 2, 4, 4, 8), np.float32))
+  twin = side(2, 2, devices[6:], np.zeros((2, 9, 2, 2, 4, 8), np.float32))
+  for far, heads, devs, repeat in ((wide, 4, 4, 2), (twin, 2, 2, 1)):
+    sender = PageSender(src, heads, devs, a)
+    assert sender.sharded == (far is twin)
+    uuid, n = sender.send(src.kv_cache, [3, 1, 4])
+    receiver = PageReceiver(far, b)
+    staged = receiver.pull(far.kv_cache, a.address, uuid, n, sender.sharded)
+    out = receiver.receive(far.kv_cache, staged, [7, 2, 5])
+    np.testing.assert_array_equal(np.asarray(out.values)[:, [7, 2, 5]],
+                                  np.repeat(np.asarray(src.kv_cache.values)[:, [3, 1, 4]],
+                                            repeat, axis=3))
+    assert out.values.sharding == far.kv_cache.values.sharding
 
 
 # -- bad input, on the host alone -------------------------------------------------------------
@@ -308,75 +326,63 @@ def test_the_flag_spells_the_config():
 
 
 # -- across processes ------------------------------------------------------------------------
-def _two_processes(tiny_model_path, spec, kill_decode_after_start=False):
-  """Process 0 (prefill, 4 host devices) and process 1 (decode, 4), on loopback: their JSON
-  lines, or the killed run's (process 0's return code, stderr)."""
+PROMPTS = [[7, 30, 12, 90, 5], list(range(4, 64)), [42] * 20, list(range(60, 97))]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (see conftest.py)")
+def test_across_processes_matches_colocated(tiny_model_dir):
+  """`kv_connector: "jax_transfer"` on loopback: process 0 prefills (TP 2), process 1 decodes
+  (TP 2: the pages are pulled shard by shard) with a pool small enough to preempt (recomputed
+  on process 0). Greedy tokens and logprobs and seeded samples are the
+  colocated engine's; a request aborted once its first token is out is dropped; neither
+  process holds a page or a request at the end. Then the decode process is killed mid-way:
+  process 0 stops at once with an error naming it."""
   import json
   import signal
   import time
 
+  from jinfer.loader import load_model
   from tests.engine_fixtures import free_port, spawn_process
-  port = free_port()
-  leader, follower = procs = [spawn_process(tiny_model_path, port, pid, spec) for pid in (0, 1)]
-  if kill_decode_after_start:
-    t0 = time.monotonic()
-    while "generating" not in leader.stderr.readline():  # process 0 is past its warmup
-      assert time.monotonic() - t0 < 600 and leader.poll() is None
-    follower.send_signal(signal.SIGKILL)
-    t0 = time.monotonic()
-    _, err = leader.communicate(timeout=120)
-    return leader.returncode, err, time.monotonic() - t0
-  outs = [p.communicate(timeout=600) for p in procs]
-  assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
-  return [json.loads(o[0].splitlines()[-1]) for o in outs]  # gloo logs on stdout too
-
-
-PROMPTS = [[7, 300, 12, 9000, 5], list(range(100, 160)), [42] * 20, list(range(900, 937))]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (see conftest.py)")
-def test_across_processes_matches_colocated(tiny_model_path, tiny_model):
-  """`kv_connector: "jax_transfer"`: process 0 prefills (TP 2), process 1 decodes. Two decode
-  engines of TP 2 take the pages shard by shard; one of TP 4 (each KV head twice) through one
-  device, with a pool small enough to preempt (recomputed on process 0). Greedy tokens and
-  logprobs and seeded samples are the colocated engine's; a request aborted once its first
-  token is out is dropped; neither process holds a page or a request at the end."""
-  sizes = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, page_size=16)
-  colocated = LLMEngine.from_parts(*tiny_model, warmup=False, config=EngineConfig.of(
-      **sizes, tensor_parallel_size=2))
-  greedy = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1)
-  seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7)
+  sizes = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, page_size=16)
+  colocated = LLMEngine.from_parts(*load_model(tiny_model_dir, load_tokenizer=False),
+                                   warmup=False, config=EngineConfig.of(
+                                       **sizes, tensor_parallel_size=2))
+  greedy = SamplingParams(max_tokens=40, temperature=0.0, logprobs=1, ignore_eos=True)
+  seeded = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
   want = _run(colocated, PROMPTS, [greedy, seeded])
-  for kvt, num_pages, abort in (({"decode_tensor_parallel_size": 2}, None, [3]),
-                                ({"decode_tensor_parallel_size": 4, "decode_devices": 4}, 10, [])):
-    options = dict(sizes, tensor_parallel_size=2, compilation_cache=False, kv_transfer_config={
-        "kv_connector": "jax_transfer", "prefill_devices": 2, **kvt})
-    if num_pages:
-      options["num_pages"] = num_pages
-    got, decode = _two_processes(tiny_model_path, dict(
-        options=options, prompts=PROMPTS, max_tokens=24, seeded=True, abort=abort))
-    assert got["leaks"] == [] and decode["leaks"] == []
-    for i, w in enumerate(want):
-      tokens, logprobs = got["tokens"][i], got["logprobs"][i]
-      if i in abort:
-        assert tokens is None
-        continue
-      assert tokens == w.outputs[0].token_ids, (kvt, i)
-      if logprobs is not None:
-        np.testing.assert_allclose(logprobs, [lp[t] for lp, t in zip(
-            w.outputs[0].logprobs, w.outputs[0].token_ids)], atol=1e-4)
-    if num_pages:
-      assert decode["preemptions"] > 0
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (see conftest.py)")
-def test_a_killed_decode_process_ends_the_prefill_process(tiny_model_path):
-  spec = dict(options=dict(max_model_len=512, max_num_batched_tokens=32, compilation_cache=False,
+  abort = [3]
+  spec = dict(options=dict(sizes, num_pages=9, tensor_parallel_size=2, compilation_cache=False,
                            kv_transfer_config={"kv_connector": "jax_transfer",
-                                               "prefill_devices": 1}),
-              prompts=PROMPTS, max_tokens=400)
-  code, err, seconds = _two_processes(tiny_model_path, spec, kill_decode_after_start=True)
-  assert code != 0 and seconds < 60
-  assert "decode process 1 is gone" in err, err[-3000:]
+                                               "prefill_devices": 2, "decode_devices": 2}),
+              prompts=PROMPTS, max_tokens=40, seeded=True, ignore_eos=True, abort=abort,
+              then_killed=True)
+  port = free_port()
+  leader, follower = [spawn_process(tiny_model_dir, port, pid, spec) for pid in (0, 1)]
+  lines, t0 = [], time.monotonic()
+  while "generating again" not in (line := leader.stderr.readline()):
+    lines.append(line)
+    assert time.monotonic() - t0 < 600 and leader.poll() is None, "".join(lines[-40:])
+  follower.send_signal(signal.SIGKILL)
+  # Its error at once (the process then exits once the runtime's heartbeat gives up the peer).
+  t0 = time.monotonic()
+  while "decode process 1 is gone" not in (line := leader.stderr.readline()):
+    lines.append(line)
+    assert time.monotonic() - t0 < 30 and line, "".join(lines[-40:])
+  assert time.monotonic() - t0 < 10
+  leader.kill()
+  out, _ = leader.communicate(timeout=60)
+
+  got = json.loads(out.splitlines()[-1])  # gloo logs on stdout too
+  assert got["leaks"] == []
+  assert len(got["decode"]) == 1 and got["decode"][0]["preemptions"] > 0
+  assert all(d["pages_used"] == 0 and d["running"] == 0 for d in got["decode"])
+  for i, w in enumerate(want):
+    tokens, logprobs = got["tokens"][i], got["logprobs"][i]
+    if i in abort:
+      assert tokens is None
+      continue
+    assert tokens == w.outputs[0].token_ids, i
+    if logprobs is not None:
+      np.testing.assert_allclose(logprobs, [lp[t] for lp, t in zip(
+          w.outputs[0].logprobs, w.outputs[0].token_ids)], atol=1e-4)

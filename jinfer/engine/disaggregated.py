@@ -56,8 +56,8 @@ import numpy as np
 from jinfer.engine.engine import EngineStats, LLMEngine, _Group
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.front_end import FrontEnd, combined_stats
-from jinfer.engine.kv_transfer import (PageCopier, PageGather, PageScatter, TransferEndpoint,
-                                       _error)
+from jinfer.engine.kv_transfer import (PageCopier, PageReceiver, PageScatter, PageSender,
+                                       TransferEndpoint, _error)
 from jinfer.engine.request import RequestOutput, Sequence, Status
 from jinfer.errors import ParameterError
 from jinfer.models.kv_groups import KVGroups
@@ -167,7 +167,7 @@ class DisaggregatedEngine(FrontEnd):
     self._leader: PeerLink | None = None
     self._returned: list[_Group] = []
     self._adopted: list[str] = []
-    self._closing = False
+    self._closing = self._heard = False
     if not kvt.in_process:
       self._join(tokenizer, warmup)
       return
@@ -202,10 +202,10 @@ class DisaggregatedEngine(FrontEnd):
     t0 = time.monotonic()
     if warmup:
       self._warm(self.prefill + self.decode, warmup)
-    self.scatters = {d: PageScatter(d.runner) for d in self.decode}
+    self.receivers = {d: PageReceiver(d.runner, self._endpoint) for d in self.decode}
     if warmup:
-      for d, sc in self.scatters.items():
-        sc.compile(d.runner.kv_cache, d.config.max_pages_per_seq)
+      for d, r in self.receivers.items():
+        r.compile(d.runner.kv_cache, d.config.max_pages_per_seq)
     if not leads:
       conn = peer_link.connect(where["address"], bytes.fromhex(where["key"]))
       t_sent = time.monotonic()
@@ -213,7 +213,7 @@ class DisaggregatedEngine(FrontEnd):
           dict(max_num_seqs=d.scheduler.config.max_num_seqs,
                num_kv_heads=d.runner.config.num_kv_heads,
                num_devices=len(d.runner.mesh.devices.flat),
-               bytes_per_page=self.scatters[d].bytes_per_page, stats=d.stats())
+               bytes_per_page=self.receivers[d].bytes_per_page, stats=d.stats())
           for d in self.decode]})
       # Process 0's clock, read halfway through the round trip: what to add to a time here.
       self._clock_offset = conn.recv() - (t_sent + time.monotonic()) / 2
@@ -226,11 +226,12 @@ class DisaggregatedEngine(FrontEnd):
         link = PeerLink(conn, f"decode process {hello['process']}", names)
         self.remote += [_RemoteEngine(link, i, **e) for i, e in enumerate(hello["engines"])]
       listener.close()
-      self.gathers = {(p, r): PageGather(p.runner, r.num_kv_heads)
+      self.senders = {(p, r): PageSender(p.runner, r.num_kv_heads, r.num_devices,
+                                         self._endpoint)
                       for p in self.prefill for r in self.remote}
       if warmup:
-        for (p, r), g in self.gathers.items():
-          g.compile(p.runner.kv_cache, p.config.max_pages_per_seq)
+        for (p, r), sender in self.senders.items():
+          sender.gather.compile(p.runner.kv_cache, p.config.max_pages_per_seq)
     self.warmup_seconds = time.monotonic() - t0
 
   def follow(self):
@@ -241,7 +242,9 @@ class DisaggregatedEngine(FrontEnd):
         outputs = self._step(wait_for_peer=True)
         returned, self._returned = self._returned, []
         adopted, self._adopted = self._adopted, []
-        if outputs or returned or adopted:
+        # Every change is reported, an abort's too: process 0 reads the stats sent last.
+        if outputs or returned or adopted or self._heard:
+          self._heard = False
           shift = self._clock_offset
           for g in returned:
             for seq in g.seqs:
@@ -256,7 +259,9 @@ class DisaggregatedEngine(FrontEnd):
   def _read_peers(self):
     """Apply what the other processes sent (raises PeerLost if one is gone)."""
     if self._leader is not None:
-      for kind, *args in self._leader.receive():
+      messages = self._leader.receive()
+      self._heard |= bool(messages)
+      for kind, *args in messages:
         if kind == "adopt":
           self._pull(*args)
         elif kind == "abort":
@@ -291,7 +296,7 @@ class DisaggregatedEngine(FrontEnd):
     """On a decode process: pull a hand-over's pages onto decode engine `index`'s devices now
     (freeing process 0's copy), to be written into its pool when it has room."""
     d = self.decode[index]
-    sc = self.scatters[d]
+    receiver = self.receivers[d]
     seq = group.seqs[0]
     for s in group.seqs:
       s.metrics = s.metrics.shifted(-self._clock_offset)
@@ -302,16 +307,12 @@ class DisaggregatedEngine(FrontEnd):
         for t in s.output_token_ids:
           s.matcher.consume_token(t)
     try:
-      one = jax.sharding.SingleDeviceSharding(d.runner.mesh.devices.flat[0])
-      staged = self._endpoint.pull(self._peer_transfer, uuid, sc.specs(
-          d.runner.kv_cache, num_padded, None if sharded else one))
-      if not sharded:
-        staged = jax.device_put(staged, sc.sharding)
+      staged = receiver.pull(d.runner.kv_cache, self._peer_transfer, uuid, num_padded, sharded)
     except Exception as e:  # noqa: BLE001 - the request's own failure, reported as its error
       log.error("KV transfer of request %s failed", group.request_id, exc_info=e)
       return self._fail(group, f"KV transfer failed: {e!r}")
     self._timer.submit(_mark_done, staged, seq.metrics)
-    t = _Transfer(group, seq, d, sc, staged, num_pages, layout)
+    t = _Transfer(group, seq, d, receiver, staged, num_pages, layout)
     self._transfers.append(t)
     self._where[group.request_id] = t
 
@@ -505,14 +506,8 @@ class DisaggregatedEngine(FrontEnd):
     remote = isinstance(dst, _RemoteEngine)
     try:
       if remote:
-        staged = self.gathers[(src, dst)](src.runner.kv_cache, present)
-        # Shard by shard onto a mesh laid out alike; any other through one device.
-        sharded = (dst.num_devices == len(src.runner.mesh.devices.flat)
-                   and dst.num_kv_heads == src.runner.config.num_kv_heads)
-        if not sharded:
-          staged = jax.device_put(staged, jax.sharding.SingleDeviceSharding(
-              src.runner.mesh.devices.flat[0]))
-        uuid = self._endpoint.offer(staged)
+        sender = self.senders[(src, dst)]
+        staged, sharded = sender.send(src.runner.kv_cache, present), sender.sharded
       else:
         staged = self.copiers[(src, dst)].send(src.runner.kv_cache, present)
     except Exception as e:  # noqa: BLE001 - the request's own failure, reported as its error
@@ -533,8 +528,8 @@ class DisaggregatedEngine(FrontEnd):
     if remote:
       for s in group.seqs:  # rebuilt on the other side: these do not cross processes
         s.matcher = s.spec_state = s.wait_for = None
-      dst.link.send(("adopt", dst.index, uuid, jax.tree.leaves(staged)[0].shape[1], sharded,
-                     group, layout, n))
+      uuid, num_padded = staged
+      dst.link.send(("adopt", dst.index, uuid, num_padded, sharded, group, layout, n))
       dst.requests.add(group.request_id)
       dst.staged.add(group.request_id)
       self._where[group.request_id] = dst

@@ -236,3 +236,42 @@ class TransferEndpoint:
     if address not in self._conns:
       self._conns[address] = self._server.connect(address)
     return self._conns[address].pull(uuid, specs)
+
+
+class PageSender:
+  """Hand-overs from an engine of this process (`src`, a ModelRunner) to an engine of another
+  (a cache of `dst_num_kv_heads` heads on `dst_num_devices` devices): the pages are gathered
+  and offered on `endpoint` for the other side's `PageReceiver` to pull. A mesh laid out like
+  the source's takes them shard by shard; any other through one device of each side."""
+
+  def __init__(self, src, dst_num_kv_heads: int, dst_num_devices: int,
+               endpoint: TransferEndpoint):
+    self.gather, self.endpoint = PageGather(src, dst_num_kv_heads), endpoint
+    devices = src.mesh.devices.flat
+    self.sharded = (dst_num_devices == len(devices)
+                    and dst_num_kv_heads == src.config.num_kv_heads)
+    self._one = jax.sharding.SingleDeviceSharding(devices[0])
+
+  def send(self, cache, pages: list[int]) -> tuple[int, int]:
+    """Offer the pages' K/V: the number to pull them by, and their (padded) page count."""
+    staged = self.gather(cache, pages)
+    if not self.sharded:
+      staged = jax.device_put(staged, self._one)
+    return self.endpoint.offer(staged), jax.tree.leaves(staged)[0].shape[1]
+
+
+class PageReceiver(PageScatter):
+  """The other side of a `PageSender`: pulls the pages onto this engine's (`dst`) devices, then
+  writes them into its cache (`receive`) when it has room."""
+
+  def __init__(self, dst, endpoint: TransferEndpoint):
+    super().__init__(dst)
+    self.endpoint = endpoint
+    self._one = jax.sharding.SingleDeviceSharding(dst.mesh.devices.flat[0])
+
+  def pull(self, cache, address: str, uuid: int, num_pages: int, sharded: bool):
+    """What `address` offered as `uuid` (`num_pages` padded pages for `cache`), on this
+    engine's devices laid out as its cache is (the copy may still be running)."""
+    staged = self.endpoint.pull(address, uuid, self.specs(
+        cache, num_pages, None if sharded else self._one))
+    return staged if sharded else jax.device_put(staged, self.sharding)
