@@ -7,7 +7,10 @@ P99, max: does a long prefill stall them?), TTFT of the long prompts, and for th
 disaggregated layout the TTFT split (queue, prefill), the hand-over time and the K/V bytes
 copied per request. Layouts over `--devices` devices, each engine of `--tp` devices:
   colocated       data_parallel_size = devices / tp engines, each prefilling and decoding;
-  disaggregated   kv_transfer_config: the first half of the devices prefill, the rest decode.
+  disaggregated   kv_transfer_config: the first half of the devices prefill, the rest decode;
+  processes       the same split across two processes on this host (`kv_connector:
+                  "jax_transfer"`, each process half the devices): pages move over JAX's
+                  transfer API, requests and tokens over a socket.
 Both compile every step shape before their timed run. Random weights of a Llama shape, float32
 on the CPU, bfloat16 elsewhere.
 
@@ -42,14 +45,46 @@ def parse_args(argv=None):
   ap.add_argument("--max-num-batched-tokens", type=int, default=256)
   ap.add_argument("--layouts", nargs="*", default=["colocated", "disaggregated"])
   ap.add_argument("--out", default=None)
+  # Set on the two processes the "processes" layout starts.
+  ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
   return ap.parse_args(argv)
+
+
+def _two_processes(argv: list[str]) -> dict:
+  """The "processes" layout: this module run as process 0 and 1 on loopback; process 0's
+  entry."""
+  import json
+  import os
+  import socket
+  import subprocess
+  import tempfile
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "entry.json")
+    procs = [subprocess.Popen([sys.executable, "-m", __spec__.name, *argv, "--layouts",
+                               "processes", "--process-id", str(i), "--port", str(port),
+                               "--out", out]) for i in (0, 1)]
+    codes = [p.wait() for p in procs]
+    if codes != [0, 0]:
+      raise RuntimeError(f"the two processes exited with {codes}")
+    with open(out) as fh:
+      return json.load(fh)
 
 
 def main(argv=None):
   args = parse_args(argv)
+  child = args.process_id is not None
   import jax
   if jax.config.jax_platforms in (None, "", "cpu"):
-    jax.config.update("jax_num_cpu_devices", args.devices)
+    jax.config.update("jax_num_cpu_devices", args.devices // 2 if child else args.devices)
+  if child:
+    from jinfer.parallel import distributed
+    distributed.initialize(distributed.DistributedConfig(
+        coordinator_address=f"127.0.0.1:{args.port}", num_processes=2,
+        process_id=args.process_id))
   import numpy as np
 
   from jinfer.bench.machine import machine_info
@@ -81,16 +116,25 @@ def main(argv=None):
       "colocated": dict(data_parallel_size=n_engines),
       "disaggregated": dict(kv_transfer_config={
           "prefill_devices": args.devices // 2, "decode_devices": args.devices // 2}),
+      "processes": dict(kv_transfer_config={
+          "kv_connector": "jax_transfer", "prefill_devices": args.devices // 2}),
   }
   report = {"machine": machine_info(), "shape": args.shape, "dtype": np.dtype(dtype).name,
             "args": vars(args), "layouts": {}}
   for name in args.layouts:
+    if name == "processes" and not child:
+      report["layouts"][name] = _two_processes(
+          [a for a in (argv or sys.argv[1:]) if a not in args.layouts and a != "--layouts"])
+      continue
     config = EngineConfig.of(**base, **layouts[name])
-    cls = (DisaggregatedEngine if name == "disaggregated" else
+    cls = (DisaggregatedEngine if name != "colocated" else
            DataParallelEngine if n_engines > 1 else LLMEngine)
     t0 = time.monotonic()
     engine = cls.from_parts(cfg, params, None, config=config, dtype=dtype, warmup="now")
     warmup_s = time.monotonic() - t0
+    if child and args.process_id > 0:
+      engine.follow()  # decodes until process 0 closes
+      return
     load_start = _load()
     t0 = time.monotonic()
     dec_ids = [engine.add_request(None, p, dec_sp) for p in decoders]
@@ -123,6 +167,11 @@ def main(argv=None):
     print(name, entry, file=sys.stderr, flush=True)
     engine.close()
     del engine
+    if child:  # for the parent to report
+      import json
+      with open(args.out, "w") as fh:
+        json.dump(entry, fh)
+      return
   emit(report, args.out)
 
 

@@ -208,21 +208,22 @@ class DisaggregatedEngine(FrontEnd):
         r.compile(d.runner.kv_cache, d.config.max_pages_per_seq)
     if not leads:
       conn = peer_link.connect(where["address"], bytes.fromhex(where["key"]))
-      t_sent = time.monotonic()
       conn.send({"process": jax.process_index(), "engines": [
           dict(max_num_seqs=d.scheduler.config.max_num_seqs,
                num_kv_heads=d.runner.config.num_kv_heads,
                num_devices=len(d.runner.mesh.devices.flat),
                bytes_per_page=self.receivers[d].bytes_per_page, stats=d.stats())
           for d in self.decode]})
-      # Process 0's clock, read halfway through the round trip: what to add to a time here.
-      self._clock_offset = conn.recv() - (t_sent + time.monotonic()) / 2
+      # What to add to a time here to read it on process 0's clock. Each process's monotonic
+      # clock is tied to its wall clock, which hosts keep in step (on one host it is the same
+      # clock): a round trip's halves would be uneven by however busy process 0 is.
+      self._clock_offset = conn.recv() - _monotonic_from_wall()
       self._leader = PeerLink(conn, "the prefill process (process 0)", names)
     else:
       for _ in range(jax.process_count() - 1):
         conn = listener.accept()
         hello = conn.recv()
-        conn.send(time.monotonic())
+        conn.send(_monotonic_from_wall())
         link = PeerLink(conn, f"decode process {hello['process']}", names)
         self.remote += [_RemoteEngine(link, i, **e) for i, e in enumerate(hello["engines"])]
       listener.close()
@@ -638,6 +639,11 @@ class DisaggregatedEngine(FrontEnd):
         per, holders=per[len(self.prefill):] or None,
         num_waiting=sum(s.num_waiting for s in per) + waiting + len(self._transfers),
         spec=next((s.spec for s in per if s.spec is not None), None))
+
+
+def _monotonic_from_wall() -> float:
+  """This process's monotonic clock less its wall clock."""
+  return time.monotonic() - time.time()
 
 
 def _mark_done(staged, metrics) -> None:
