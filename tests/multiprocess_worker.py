@@ -1,9 +1,9 @@
-"""One process of a multi-process run (tests/test_parallel.py starts two on loopback).
+"""One process of a multi-process run (the tests start two on loopback).
 
 argv: model directory, coordinator port, process id, devices per process, then a JSON object of
-engine options and prompts (and optionally: the heartbeat timeout, seeded samples too, ignore_eos,
-requests to abort, to be killed after). Process 0 prints the tokens and their logprobs as JSON on stdout
-(and, disaggregated, what the decode process reports holding at the end).
+engine options and prompts, and optionally: the heartbeat timeout, seeded samples too,
+ignore_eos, requests to abort, to be killed after. Process 0 prints the tokens and their
+logprobs as JSON on stdout (and, disaggregated, what the decode process reports holding).
 """
 from __future__ import annotations
 

@@ -291,6 +291,9 @@ def test_pages_copy_between_meshes_and_head_layouts():
     (dict(prefill_devices=2, prefill_num_pages=8), r"prefill_num_pages=8 cannot hold one "
                                                    r"sequence of max_model_len=128"),
     (dict(prefill_devices=2, kv_connector="nixl"), r"kv_connector must be one of in_process"),
+    (dict(prefill_devices=2, kv_connector="jax_transfer"), r"'jax_transfer' runs each group in "
+                                                           r"a process of its own"),
+    (dict(prefill_devices=2, kv_ip=""), r"kv_ip must be a host address"),
     (dict(prefill_devices=0), r"prefill_devices must be an integer >= 1"),
     (dict(decode_devices=2), r"needs 'prefill_devices'"),
     (dict(prefill_devices=2, decode_device=2), r"unknown key 'decode_device'"),

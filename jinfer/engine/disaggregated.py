@@ -164,6 +164,7 @@ class DisaggregatedEngine(FrontEnd):
     # Across processes: process 0's view of the other processes' decode engines, or a decode
     # process's link to process 0 (and what it sends after each step).
     self.remote: list[_RemoteEngine] = []
+    self._peers: dict[PeerLink, list[_RemoteEngine]] = {}  # each process's engines
     self._leader: PeerLink | None = None
     self._returned: list[_Group] = []
     self._adopted: list[str] = []
@@ -225,7 +226,8 @@ class DisaggregatedEngine(FrontEnd):
         hello = conn.recv()
         conn.send(_monotonic_from_wall())
         link = PeerLink(conn, f"decode process {hello['process']}", names)
-        self.remote += [_RemoteEngine(link, i, **e) for i, e in enumerate(hello["engines"])]
+        self._peers[link] = [_RemoteEngine(link, i, **e) for i, e in enumerate(hello["engines"])]
+        self.remote += self._peers[link]
       listener.close()
       self.senders = {(p, r): PageSender(p.runner, r.num_kv_heads, r.num_devices,
                                          self._endpoint)
@@ -270,9 +272,8 @@ class DisaggregatedEngine(FrontEnd):
         elif kind == "close":
           self._closing = True
       return
-    for r in {r.link: r for r in self.remote}.values():
-      mine = [e for e in self.remote if e.link is r.link]
-      for msg in r.link.receive():
+    for link, mine in self._peers.items():
+      for msg in link.receive():
         for e, st in zip(mine, msg["stats"]):
           e.stats = st
         for rid in msg["adopted"]:
@@ -379,13 +380,13 @@ class DisaggregatedEngine(FrontEnd):
 
   def close(self):
     """Stop every engine; on process 0 across processes, release the decode processes too."""
-    for r in {r.link: r for r in self.remote}.values():
+    for link in self._peers:
       try:
-        r.link.send(("close",))
+        link.send(("close",))
       except PeerLost:
         pass
-      r.link.close()
-    self.remote = []
+      link.close()
+    self._peers, self.remote = {}, []
     if self._leader is not None:
       self._leader.close()
     for pool in [*self._threads.values(), self._timer]:
@@ -408,7 +409,7 @@ class DisaggregatedEngine(FrontEnd):
     self._between_steps()
     waits = list(self._inflight.values())
     if wait_for_peer:
-      waits += [r.link.ready for r in self.remote] + (
+      waits += [link.ready for link in self._peers] + (
           [self._leader.ready] if self._leader else [])
     if waits:
       concurrent.futures.wait(waits, return_when=concurrent.futures.FIRST_COMPLETED)

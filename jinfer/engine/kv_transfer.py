@@ -7,7 +7,7 @@ process per role. Two connectors (see `jinfer/engine/disaggregated.py`):
   next `decode_devices` decode, each group split into engines of `*_tensor_parallel_size`
   devices; pages are copied device to device with `jax.device_put`.
 - `"jax_transfer"`: one role per process, under `jax.distributed` (`num_processes` >= 2; the
-  role follows the process, so every process is given the same option). Process 0 prefills on
+  role follows the process, so every process is given the same option but its own `kv_ip`). Process 0 prefills on
   its first `prefill_devices` devices and serves; every other process decodes on its first
   `decode_devices` devices (default: all of them). Pages move between the processes' devices
   with JAX's transfer API, requests and tokens over a socket of their own; both listen on

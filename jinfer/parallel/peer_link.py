@@ -15,22 +15,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
-import logging
 import pickle
+import secrets
 import threading
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
-
-log = logging.getLogger(__name__)
-
 
 class PeerLost(RuntimeError):
   """The process at the other end is gone."""
 
 
 class PeerLink:
-  """One end of the connection. `local`: objects each side has its own of and that are never
-  pickled (a tokenizer), by name; a message refers to them by that name."""
+  """One end of the connection. `local`: objects that never travel, by name (a tokenizer: each
+  side has its own); a message that holds one carries its name instead."""
 
   def __init__(self, conn: Connection, peer: str, local: dict[str, Any] | None = None):
     self.peer, self._conn, self._local = peer, conn, dict(local or {})
@@ -67,8 +64,10 @@ class PeerLink:
         data = self._conn.recv_bytes()
         message, lost = _Unpickler(io.BytesIO(data), self._local).load(), None
       except (EOFError, OSError) as e:
-        message, lost = None, f"{self.peer} is gone ({type(e).__name__}: the process exited, " \
-                              f"crashed or closed the connection)"
+        message, lost = None, (f"{self.peer} is gone ({type(e).__name__}: the process exited, "
+                               f"crashed or closed the connection)")
+      except Exception as e:  # noqa: BLE001 - a message this side cannot read ends the link
+        message, lost = None, f"a message from {self.peer} could not be read: {e!r}"
       with self._lock:
         if lost is not None:
           self._lost = lost
@@ -103,7 +102,6 @@ class _Unpickler(pickle.Unpickler):
 
 def listen(host: str) -> tuple[Listener, str, bytes]:
   """A listener on `host` (an OS-chosen port): it, its "host:port", and the key peers need."""
-  import secrets
   key = secrets.token_bytes(16)
   listener = Listener((host, 0), authkey=key)
   h, port = listener.address[:2]
