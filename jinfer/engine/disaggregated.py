@@ -168,7 +168,7 @@ class DisaggregatedEngine(FrontEnd):
     self._leader: PeerLink | None = None
     self._returned: list[_Group] = []
     self._adopted: list[str] = []
-    self._closing = self._heard = False
+    self._closing = self._changed = False
     if not kvt.in_process:
       self._join(tokenizer, warmup)
       return
@@ -246,8 +246,8 @@ class DisaggregatedEngine(FrontEnd):
         returned, self._returned = self._returned, []
         adopted, self._adopted = self._adopted, []
         # Every change is reported, an abort's too: process 0 reads the stats sent last.
-        if outputs or returned or adopted or self._heard:
-          self._heard = False
+        if outputs or returned or adopted or self._changed:
+          self._changed = False
           shift = self._clock_offset
           for g in returned:
             for seq in g.seqs:
@@ -263,7 +263,7 @@ class DisaggregatedEngine(FrontEnd):
     """Apply what the other processes sent (raises PeerLost if one is gone)."""
     if self._leader is not None:
       messages = self._leader.receive()
-      self._heard |= bool(messages)
+      self._changed |= bool(messages)
       for kind, *args in messages:
         if kind == "adopt":
           self._pull(*args)
@@ -625,6 +625,7 @@ class DisaggregatedEngine(FrontEnd):
         where.abort(rid)
       self._where.pop(rid, None)
       self._aborts.discard(rid)
+      self._changed = True
       # An output of this request already collected is dropped, as one engine's abort does.
       self._outputs = [o for o in self._outputs if o.request_id != rid]
 
