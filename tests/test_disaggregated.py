@@ -96,16 +96,20 @@ def test_disaggregated_matches_colocated(model):
   and logprobs. Then, on the second: aborts wherever a request is (queued, prefilling, pages in
   flight, decoding) and a transfer that fails (consuming the decode cache): that request alone
   errors, the sequences the lost cache held are recomputed, and no page leaks on either side.
-  Last, n-gram speculation on the decode side gives the greedy tokens."""
+  The first split verifies n-gram drafts on its decode engines."""
   cfg, params, tok = model
   prompts = _prompts(cfg.vocab_size)
   colocated = LLMEngine.from_parts(cfg, params, tok, warmup=False,
                                    config=EngineConfig.of(**BASE, tensor_parallel_size=2))
   want = _run(colocated, prompts, [GREEDY, SEEDED])
 
-  wide = _disaggregated(model, prefill_devices=2)
+  # With n-gram drafts verified on the decode engines: speculation does not change a token.
+  wide = _disaggregated(model, dict(speculative_config={
+      "method": "ngram", "num_speculative_tokens": 3}), prefill_devices=2)
   assert (len(wide.prefill), len(wide.decode)) == (1, 3)
+  assert wide.prefill[0].proposer is None and wide.decode[0].proposer is not None
   _assert_same(_run(wide, prompts, [GREEDY, SEEDED]), want)
+  assert wide.stats().spec.num_accepted_tokens > 0
   _no_leaks(wide)
   assert wide.num_transfers >= 2 * len(prompts)
   del wide
@@ -164,15 +168,6 @@ def test_disaggregated_matches_colocated(model):
   _no_leaks(narrow)
   del narrow
 
-  # n-gram drafts verified on the decode engine: the greedy tokens of plain decoding.
-  spec = _disaggregated(model, dict(speculative_config={
-      "method": "ngram", "num_speculative_tokens": 3}), prefill_devices=2, decode_devices=2)
-  assert spec.prefill[0].proposer is None and spec.decode[0].proposer is not None
-  got = _run(spec, prompts, [GREEDY])
-  assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want[::2]]
-  assert spec.stats().spec.num_accepted_tokens > 0
-  _no_leaks(spec)
-
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (see conftest.py)")
@@ -220,6 +215,26 @@ def test_llm_the_server_loop_and_bench_take_the_option(tiny_model_dir, tmp_path)
   t = r["kv_transfer"]
   assert t["requests"] == 3 and t["bytes_per_request"]["p50"] > 0
   assert 0 <= t["queue_s"]["p50"] and 0 < t["prefill_s"]["p50"] and 0 < t["handover_s"]["p50"]
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (see conftest.py)")
+def test_each_side_routes_by_prefix_then_load(model):
+  """Two prefill and two decode engines: a prompt goes where its prefix went (the pages are
+  cached there), others to the least-loaded engine, on either side."""
+  d = _disaggregated(model, prefill_devices=2, decode_devices=2, prefill_tensor_parallel_size=1,
+                     decode_tensor_parallel_size=1)
+  assert (len(d.prefill), len(d.decode)) == (2, 2)
+  shared = list(range(100, 180))  # 5 full pages of 16
+  first = d.add_request(None, shared + [1, 2], GREEDY)
+  again = d.add_request(None, shared + [3], GREEDY)
+  assert d._where[again] is d._where[first]
+  other = d.add_request(None, [7] * 40, GREEDY)  # the least-loaded
+  assert d._where[other] is not d._where[first]
+  to = d._route("decode", d.decode, shared + [5] * 20, None)
+  assert d._route("decode", d.decode, shared + [6], None) is to
+  for rid in list(d._where):
+    assert d.abort(rid)
+  _no_leaks(d)
 
 
 def test_pages_copy_between_meshes_and_head_layouts():

@@ -382,10 +382,10 @@ def test_data_parallel_routes_by_prefix_and_load(params):
   other = engine.add_request(None, SHORT[2], SamplingParams(max_tokens=2))
   assert engine._rank_of[other] == 1 - rank
   # Past the balance slack, even a matching prefix goes elsewhere.
-  for _ in range(engine.balance_slack + 1):
+  for _ in range(engine.router.balance_slack + 1):
     engine.add_request(None, shared + [9], SamplingParams(max_tokens=2))
   loads = [engine.load(r) for r in (0, 1)]
-  assert max(loads) - min(loads) <= engine.balance_slack + 1
+  assert max(loads) - min(loads) <= engine.router.balance_slack + 1
   for rid in list(engine._rank_of):
     assert engine.abort(rid)
   assert engine.stats().num_running == 0 and not engine.has_unfinished_requests()

@@ -1,16 +1,11 @@
 """Data parallelism: several engines, each on its own devices with its own page pool and
 scheduler, behind the one-engine interface, so `LLM` and the server drive them unchanged.
 
-A request goes to the rank that has seen its prefix (prefix-cache affinity: its pages are cached
-there) unless that rank carries `balance_slack` more sequences than the least-loaded one; else to
-the least-loaded rank. The prefixes a rank has seen are the page-hash chains of the prompts routed
-to it, kept in a bounded LRU, as SGLang's cache-aware router does; the engines' own caches are
-never queried, so a burst of requests sharing a prefix lands together before any of it is cached.
-Ranks step concurrently (one thread each: a device step releases the GIL).
+A request goes to the rank that has seen its prefix, unless that rank is too busy
+(`PrefixRouter`). Ranks step concurrently (one thread each: a device step releases the GIL).
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import itertools
 import time
@@ -19,6 +14,7 @@ from jinfer.engine.disaggregated import DisaggregatedEngine
 from jinfer.engine.engine import EngineStats, LLMEngine
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.front_end import FrontEnd, combined_stats
+from jinfer.engine.prefix_router import PrefixRouter
 from jinfer.engine.request import RequestOutput
 from jinfer.parallel.mesh import data_parallel_devices
 from jinfer.sampling.params import SamplingParams
@@ -26,8 +22,6 @@ from jinfer.sampling.params import SamplingParams
 
 class DataParallelEngine(FrontEnd):
   """`data_parallel_size` engines of `config`; see the module docstring."""
-
-  MAX_ROUTES = 1 << 16  # prefix hashes remembered for affinity
 
   def _check(self, config: EngineConfig) -> None:
     data_parallel_devices(config.parallel)  # enough devices?
@@ -40,13 +34,10 @@ class DataParallelEngine(FrontEnd):
                     for devices in data_parallel_devices(config.parallel)]
     e0 = self.engines[0]
     self.model_config, self.tokenizer, self.config = e0.model_config, tokenizer, e0.config
-    self.max_model_len, self.page_size = e0.max_model_len, e0.config.cache.page_size
-    # A rank may carry this many more sequences than the least-loaded one and still get a
-    # request for a prefix it has seen.
-    self.balance_slack = max(1, config.scheduler.max_num_seqs // 4)
+    self.max_model_len = e0.max_model_len
+    self.router = PrefixRouter.over(e0, config.scheduler.max_num_seqs)
     self._pool = concurrent.futures.ThreadPoolExecutor(len(self.engines),
                                                        thread_name_prefix="jinfer-dp")
-    self._routes: collections.OrderedDict[int, int] = collections.OrderedDict()  # hash -> rank
     self._rank_of: dict[str, int] = {}  # request id -> rank, while unfinished
     self._ids = itertools.count()
     t0 = time.monotonic()
@@ -64,24 +55,8 @@ class DataParallelEngine(FrontEnd):
 
   def route(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
     """The rank a request with this prompt goes to (and remember its prefix there)."""
-    e0 = self.engines[0]
-    hashes = e0.blocks.chain_hashes(prompt_token_ids, cache_salt,
-                                    (len(prompt_token_ids) - 1) // self.page_size)
-    load = [self.load(r) for r in range(len(self.engines))]
-    least = min(range(len(load)), key=load.__getitem__)
-    rank = least
-    for h in reversed(hashes):  # the longest prefix seen wins
-      seen = self._routes.get(h)
-      if seen is not None:
-        if load[seen] - load[least] <= self.balance_slack:
-          rank = seen
-        break
-    for h in hashes:
-      self._routes[h] = rank
-      self._routes.move_to_end(h)
-    while len(self._routes) > self.MAX_ROUTES:
-      self._routes.popitem(last=False)
-    return rank
+    return self.router.route(prompt_token_ids, cache_salt,
+                             [self.load(r) for r in range(len(self.engines))])
 
   def load(self, rank: int) -> int:
     """Sequences a rank holds, running or waiting."""

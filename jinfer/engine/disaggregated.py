@@ -1,12 +1,13 @@
-"""Disaggregated serving in one process: prefill and decode on separate device groups.
+"""Disaggregated serving: prefill and decode on separate device groups.
 
 `kv_transfer_config` splits the devices: the first group's engines (each on
 `prefill_tensor_parallel_size` devices, with its own page pool, scheduler and prefix cache)
-compute prompts; the second group's engines decode. A request goes to the least-loaded prefill
-engine, which computes its prompt, samples its first token (streamed at once: the first token
-never waits for the copy) and parks it (`LLMEngine.hand_off_prefilled`). The coordinator then
-gathers the pages the sequence uses on the prefill devices and starts their copy onto the
-least-loaded decode engine's devices (`PageCopier.send`; dispatched, not waited for), and
+compute prompts; the second group's engines decode. Within each group a request goes to the
+engine that has seen its prefix unless it is too busy, else to the least-loaded one
+(`PrefixRouter`). The prefill engine computes its prompt, samples its first token (streamed at
+once: the first token never waits for the copy) and parks it (`LLMEngine.hand_off_prefilled`).
+The coordinator then gathers the pages the sequence uses on the prefill devices and starts their
+copy onto the chosen decode engine's devices (`PageCopier.send`; dispatched, not waited for), and
 releases the prefill pages at once: the gathered copy holds their K/V. At most
 `max_num_seqs` copies wait per decode engine; beyond that sequences stay parked with their
 pages, which holds the prefill side back once its pool fills. When that decode engine is between
@@ -56,6 +57,7 @@ import numpy as np
 from jinfer.engine.engine import EngineStats, LLMEngine, _Group
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.front_end import FrontEnd, combined_stats
+from jinfer.engine.prefix_router import PrefixRouter
 from jinfer.engine.kv_transfer import (PageCopier, PageReceiver, PageScatter, PageSender,
                                        TransferEndpoint, _error)
 from jinfer.engine.request import RequestOutput, Sequence, Status
@@ -143,6 +145,9 @@ class DisaggregatedEngine(FrontEnd):
     e0 = (self.decode or self.prefill)[0]
     self.model_config, self.tokenizer, self.config = e0.model_config, tokenizer, e0.config
     self.max_model_len = e0.max_model_len
+    # Each side's engines are picked for the prefix they have seen (their prefix caches).
+    self._routers = {side: PrefixRouter.over(e0, config.scheduler.max_num_seqs)
+                     for side in ("prefill", "decode")}
     engines = self.prefill + self.decode
     # One thread per engine: its compile guard counts compiles on the thread that steps it.
     self._threads = {e: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jinfer-pd")
@@ -353,10 +358,11 @@ class DisaggregatedEngine(FrontEnd):
     request_id = str(next(self._ids)) if request_id is None else str(request_id)
     if request_id in self._where:
       raise ValueError(f"request id {request_id!r} is already in use")
-    self.validate(self.tokenize(prompt), params)
+    ids = self.tokenize(prompt)
+    self.validate(ids, params)
     if params.seed is None:
       params = dataclasses.replace(params, seed=int(self._seed_rng.integers(1 << 31)))
-    engine = min(self.prefill, key=self.load)
+    engine = self._route("prefill", self.prefill, ids, cache_salt)
     arrival = time.monotonic() if arrival_time is None else arrival_time
     self._adds[engine].append((request_id, prompt, params, arrival, cache_salt))
     self._where[request_id] = engine
@@ -473,9 +479,14 @@ class DisaggregatedEngine(FrontEnd):
           self._return(group)
     return outputs
 
+  def _route(self, side: str, engines: list, token_ids: list[int], cache_salt):
+    return engines[self._routers[side].route(token_ids, cache_salt,
+                                             [self.load(e) for e in engines])]
+
   def _return(self, group: _Group):
-    """A sequence the decode side preempted, to be recomputed on the prefill side."""
-    dst = min(self.prefill, key=self.load)
+    """A sequence the decode side preempted, to be recomputed on the prefill side (most likely
+    where its prompt's pages are still cached)."""
+    dst = self._route("prefill", self.prefill, group.prompt_token_ids, group.seqs[0].cache_salt)
     self._adopts[dst].append(group)
     self._where[group.request_id] = dst
 
@@ -484,19 +495,23 @@ class DisaggregatedEngine(FrontEnd):
     room to stage them (at most `max_num_seqs` copies waiting per decode engine). The rest stay
     parked with their pages, which holds that prefill engine back once its pool fills: staged
     copies never pile up on the decode devices."""
-    keep = []
+    keep, dests = [], self.decode or self.remote
     for seq in engine.handoffs:
-      dst = min(self.decode or self.remote, key=self.load)
-      if isinstance(dst, _RemoteEngine):
-        staged, room = len(dst.staged), dst.max_num_seqs
-      else:
-        staged = sum(t.dst is dst for t in self._transfers)
-        room = dst.scheduler.config.max_num_seqs
-      if staged >= room:
-        keep.append(seq)
-      else:
+      # Where the prompt's prefix went before (its pages may be shared there), else the
+      # least-loaded engine with room.
+      dst = self._route("decode", dests, seq.prompt_token_ids, seq.cache_salt)
+      if not self._can_stage(dst):
+        dst = min(dests, key=self.load)
+      if self._can_stage(dst):
         self._send(engine, seq, dst)
+      else:
+        keep.append(seq)
     engine.handoffs[:] = keep
+
+  def _can_stage(self, dst: LLMEngine | _RemoteEngine) -> bool:
+    if isinstance(dst, _RemoteEngine):
+      return len(dst.staged) < dst.max_num_seqs
+    return sum(t.dst is dst for t in self._transfers) < dst.scheduler.config.max_num_seqs
 
   def _send(self, src: LLMEngine, seq: Sequence, dst: LLMEngine | _RemoteEngine):
     group = src.groups.pop(seq.group_id)
