@@ -54,8 +54,11 @@ def workload(llms):
 def test_greedy_output_is_the_same_as_without_speculation(llms, workload, method):
   watched, fillers, want = workload
   llm = llms[method]
-  alone = [llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in watched]
-  assert alone == want
+  # Alone: two of the watched prompts (a chat and the long shared-prefix one); the batch below
+  # has all of them.
+  alone = [llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+           for p in (watched[0], watched[-1])]
+  assert alone == [want[0], want[-1]]
   first = llm.engine.stats().spec.acceptance_per_position[0]
   if method == "draft":  # a trained draft, not a random one (that would be right ~1/8192)
     assert first > 0.1, llm.engine.stats().spec.summary()
