@@ -654,8 +654,7 @@ class DisaggregatedEngine(FrontEnd):
     # KV bytes per sequence: the decode side's, where sequences spend their lives.
     return combined_stats(
         per, holders=per[len(self.prefill):] or None,
-        num_waiting=sum(s.num_waiting for s in per) + waiting + len(self._transfers),
-        spec=next((s.spec for s in per if s.spec is not None), None))
+        num_waiting=sum(s.num_waiting for s in per) + waiting + len(self._transfers))
 
 
 def _monotonic_from_wall() -> float:

@@ -149,7 +149,7 @@ class LLMEngine:
     self.scheduler = Scheduler(config.scheduler, self.blocks, config.max_pages_per_seq,
                                lookahead=self._lookahead if spec is not None else None)
     if spans_processes and (par.data_parallel_size > 1 or
-                                    par.devices_per_engine != jax.device_count()):
+                            par.devices_per_engine != jax.device_count()):
       raise ValueError(f"with several processes the mesh spans every device: "
                        f"tensor_parallel_size x context_parallel_size must be "
                        f"{jax.device_count()}, and data_parallel_size 1")

@@ -9,6 +9,7 @@ from jinfer.config import ModelConfig
 from jinfer.engine import compilation_cache, weight_quantization
 from jinfer.engine.engine import EngineStats
 from jinfer.engine.engine_config import EngineConfig, default_dtype
+from jinfer.engine.speculative.stats import SpecStats
 from jinfer.tokenizer import Tokenizer
 
 
@@ -46,8 +47,9 @@ class FrontEnd:
 
 def combined_stats(per: list[EngineStats], holders: list[EngineStats] | None = None,
                    **override) -> EngineStats:
-  """Several engines' stats as one: counts summed, ratios their mean, steps the busiest one's,
-  KV bytes per sequence averaged over the running sequences of `holders` (default: all)."""
+  """Several engines' stats as one: counts summed (speculation's too), ratios their mean, steps
+  the busiest one's, KV bytes per sequence averaged over the running sequences of `holders`
+  (default: all)."""
   holders = holders or per
   total = lambda name: sum(getattr(s, name) for s in per)
   mean = lambda name: total(name) / len(per)
@@ -63,5 +65,6 @@ def combined_stats(per: list[EngineStats], holders: list[EngineStats] | None = N
       kv_bytes_per_seq=tuple(sum(s.kv_bytes_per_seq[g] * s.num_running for s in holders) / running
                              for g in range(len(per[0].kv_bytes_per_seq))),
       compiles_after_startup=total("compiles_after_startup"),
-      buckets_compiled=min(s.buckets_compiled for s in per), buckets_total=per[0].buckets_total)
+      buckets_compiled=min(s.buckets_compiled for s in per), buckets_total=per[0].buckets_total,
+      spec=SpecStats.total([s.spec for s in per if s.spec is not None]))
   return dataclasses.replace(stats, **override)

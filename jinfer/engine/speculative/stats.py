@@ -45,6 +45,20 @@ class SpecStats:
       self.num_full += 1
       self.full_tokens += num_accepted + 1
 
+  @classmethod
+  def total(cls, stats: list["SpecStats"]) -> "SpecStats | None":
+    """Several engines' counts as one (None if there are none)."""
+    if not stats:
+      return None
+    out = cls(stats[0].num_speculative_tokens)
+    for s in stats:
+      for f in dataclasses.fields(s):
+        if f.name in ("drafted_per_position", "accepted_per_position"):
+          setattr(out, f.name, [a + b for a, b in zip(getattr(out, f.name), getattr(s, f.name))])
+        elif f.name != "num_speculative_tokens":
+          setattr(out, f.name, getattr(out, f.name) + getattr(s, f.name))
+    return out
+
   def copy(self) -> "SpecStats":
     return dataclasses.replace(self, drafted_per_position=list(self.drafted_per_position),
                                accepted_per_position=list(self.accepted_per_position))
