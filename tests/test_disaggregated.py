@@ -217,6 +217,45 @@ def test_llm_the_server_loop_and_bench_take_the_option(tiny_model_dir, tmp_path)
   assert 0 <= t["queue_s"]["p50"] and 0 < t["prefill_s"]["p50"] and 0 < t["handover_s"]["p50"]
 
 
+def test_a_request_crosses_processes_and_decodes_on(tiny_model):
+  """What a hand-over to another process carries: a request just prefilled, under a
+  structured-output constraint, goes through the peer link's pickling (the tokenizer by name)
+  and is rebuilt (its matcher from the grammar and the token so far). Taken in without its
+  pages, it is recomputed and ends as it would have without leaving: tokens, streamed text."""
+  from jinfer.engine.disaggregated import arriving, leaving
+  from jinfer.parallel.peer_link import dumps, loads
+  from jinfer.sampling.params import StructuredOutputsParams
+  engine = LLMEngine.from_parts(*tiny_model, warmup=False, config=EngineConfig.of(
+      max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16))
+  sp = SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=StructuredOutputsParams(
+      regex=r"(yes|no), [0-9]{3}, [a-z]{4}"))
+  want = _run(engine, ["Is it?"], [sp])[0].outputs[0]
+  engine.hand_off_prefilled = True  # parked after its first token, as a prefill engine parks it
+  rid = engine.add_request(None, "Is it?", sp)
+  streamed = "".join(o.outputs[0].delta_text for o in engine.step())
+  (seq,) = engine.handoffs
+  group = engine.groups.pop(rid)
+  for pages in seq.pages:
+    engine.blocks.release(pages)
+  seq.pages, engine.handoffs[:], engine.hand_off_prefilled = [], [], False
+  leaving(group)
+  local = {"tokenizer": engine.tokenizer}
+  group = loads(dumps(group, local), local)
+  arriving(group, engine)
+  (seq,) = group.seqs
+  assert seq.matcher is not None and seq.output_token_ids == want.token_ids[:1]
+  engine.adopt(group)
+  final = None
+  while engine.has_unfinished_requests():
+    for o in engine.step():
+      streamed += o.outputs[0].delta_text
+      final = o
+  assert final.outputs[0].token_ids == want.token_ids and final.outputs[0].text == want.text
+  assert streamed == want.text and final.outputs[0].finish_reason == "stop"
+  engine.blocks.check_consistency()
+  assert engine.blocks.num_free_pages == engine.blocks.num_usable_pages
+
+
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (see conftest.py)")
 def test_each_side_routes_by_prefix_then_load(model):
   """Two prefill and two decode engines: a prompt goes where its prefix went (the pages are

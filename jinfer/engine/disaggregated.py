@@ -255,8 +255,7 @@ class DisaggregatedEngine(FrontEnd):
           self._changed = False
           shift = self._clock_offset
           for g in returned:
-            for seq in g.seqs:
-              seq.metrics = seq.metrics.shifted(shift)
+            leaving(g, shift)
           self._leader.send(dict(
               outputs=[dataclasses.replace(o, metrics=o.metrics and o.metrics.shifted(shift))
                        for o in outputs],
@@ -296,6 +295,7 @@ class DisaggregatedEngine(FrontEnd):
           if where in mine:
             where.requests.discard(group.request_id)
             where.staged.discard(group.request_id)
+            arriving(group, self.prefill[0])
             self._return(group)
 
   def _pull(self, index: int, uuid: int, num_padded: int, sharded: bool, group: _Group,
@@ -305,14 +305,7 @@ class DisaggregatedEngine(FrontEnd):
     d = self.decode[index]
     receiver = self.receivers[d]
     seq = group.seqs[0]
-    for s in group.seqs:
-      s.metrics = s.metrics.shifted(-self._clock_offset)
-      # Python salts str hashes per process: the prefix cache's chain is recomputed here.
-      s.page_hashes, s.pages_offered = [], 0
-      if s.params.structured_outputs is not None and not s.finished:
-        s.matcher = d.grammars.matcher(s.params.structured_outputs)
-        for t in s.output_token_ids:
-          s.matcher.consume_token(t)
+    arriving(group, d, -self._clock_offset)
     try:
       staged = receiver.pull(d.runner.kv_cache, self._peer_transfer, uuid, num_padded, sharded)
     except Exception as e:  # noqa: BLE001 - the request's own failure, reported as its error
@@ -543,8 +536,7 @@ class DisaggregatedEngine(FrontEnd):
     self.num_transfers += 1
     self.transfer_bytes += nbytes
     if remote:
-      for s in group.seqs:  # rebuilt on the other side: these do not cross processes
-        s.matcher = s.spec_state = s.wait_for = None
+      leaving(group)
       uuid, num_padded = staged
       dst.link.send(("adopt", dst.index, uuid, num_padded, sharded, group, layout, n))
       dst.requests.add(group.request_id)
@@ -655,6 +647,27 @@ class DisaggregatedEngine(FrontEnd):
     return combined_stats(
         per, holders=per[len(self.prefill):] or None,
         num_waiting=sum(s.num_waiting for s in per) + waiting + len(self._transfers))
+
+
+def leaving(group: _Group, shift: float = 0.0) -> None:
+  """Before a request goes to another process: what does not cross processes goes (rebuilt
+  there by `arriving`), and its times move `shift` seconds onto that process's clock."""
+  for s in group.seqs:
+    s.matcher = s.spec_state = s.wait_for = None
+    s.metrics = s.metrics.shifted(shift)
+
+
+def arriving(group: _Group, engine: LLMEngine, shift: float = 0.0) -> None:
+  """A request from another process, to run on `engine`: its times moved onto this process's
+  clock, its structured-output matcher rebuilt from its grammar and its tokens so far, its
+  prefix-cache hash chain left to recompute (Python salts `str` hashes per process)."""
+  for s in group.seqs:
+    s.metrics = s.metrics.shifted(shift)
+    s.page_hashes, s.pages_offered = [], 0
+    if s.params.structured_outputs is not None and not s.finished:
+      s.matcher = engine.grammars.matcher(s.params.structured_outputs)
+      for t in s.output_token_ids:
+        s.matcher.consume_token(t)
 
 
 def _monotonic_from_wall() -> float:

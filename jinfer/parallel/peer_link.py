@@ -39,11 +39,10 @@ class PeerLink:
     threading.Thread(target=self._read, name=f"jinfer-link-{peer}", daemon=True).start()
 
   def send(self, message: Any) -> None:
-    buf = io.BytesIO()
-    _Pickler(buf, self._local).dump(message)
+    data = dumps(message, self._local)
     try:
       with self._send_lock:
-        self._conn.send_bytes(buf.getbuffer())
+        self._conn.send_bytes(data)
     except OSError as e:
       raise PeerLost(f"{self.peer} is gone: {e}") from e
 
@@ -62,7 +61,7 @@ class PeerLink:
     while True:
       try:
         data = self._conn.recv_bytes()
-        message, lost = _Unpickler(io.BytesIO(data), self._local).load(), None
+        message, lost = loads(data, self._local), None
       except (EOFError, OSError) as e:
         message, lost = None, (f"{self.peer} is gone ({type(e).__name__}: the process exited, "
                                f"crashed or closed the connection)")
@@ -98,6 +97,18 @@ class _Unpickler(pickle.Unpickler):
 
   def persistent_load(self, name):
     return self._local[name]
+
+
+def dumps(message: Any, local: dict[str, Any]) -> bytes:
+  """`message` as sent: the objects in `local` by name."""
+  buf = io.BytesIO()
+  _Pickler(buf, local).dump(message)
+  return buf.getvalue()
+
+
+def loads(data: bytes, local: dict[str, Any]) -> Any:
+  """A message as received: names of `local` objects resolved to this side's own."""
+  return _Unpickler(io.BytesIO(data), local).load()
 
 
 def listen(host: str) -> tuple[Listener, str, bytes]:
