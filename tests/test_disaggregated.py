@@ -217,6 +217,32 @@ def test_llm_the_server_loop_and_bench_take_the_option(tiny_model_dir, tmp_path)
   assert 0 <= t["queue_s"]["p50"] and 0 < t["prefill_s"]["p50"] and 0 < t["handover_s"]["p50"]
 
 
+@pytest.mark.slow
+def test_constraints_and_prompt_logprobs_cross_the_hand_over(tiny_model):
+  """A structured-output request (its matcher goes with it to the decode engine) and one with
+  prompt logprobs (computed on the prefill side) end as on one colocated engine."""
+  from jinfer.sampling.params import StructuredOutputsParams
+  options = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                 enable_prompt_logprobs=True)
+  params = [SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=(
+                StructuredOutputsParams(regex=r"(yes|no), [0-9]{3}, [a-z]{4}"))),
+            SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2)]
+  colocated = LLMEngine.from_parts(*tiny_model, warmup=False, config=EngineConfig.of(**options))
+  split = DisaggregatedEngine.from_parts(*tiny_model, warmup=False, config=EngineConfig.of(
+      **options, kv_transfer_config={"prefill_devices": 1, "decode_devices": 1}))
+  want, got = (_run(e, ["Is it?"], params) for e in (colocated, split))
+  assert split.num_transfers == 2
+  for g, w in zip(got, want):
+    assert (g.outputs[0].token_ids, g.outputs[0].text, g.outputs[0].finish_reason) == (
+        w.outputs[0].token_ids, w.outputs[0].text, w.outputs[0].finish_reason)
+  assert want[0].outputs[0].finish_reason == "stop"  # the constraint ended it
+  assert got[1].prompt_logprobs[0] is None and len(got[1].prompt_logprobs) > 1
+  for g, w in zip(got[1].prompt_logprobs[1:], want[1].prompt_logprobs[1:]):
+    assert g.keys() == w.keys()
+    np.testing.assert_allclose([g[t] for t in w], list(w.values()), atol=1e-4)
+  _no_leaks(split)
+
+
 def test_a_request_crosses_processes_and_decodes_on(tiny_model):
   """What a hand-over to another process carries: a request just prefilled, under a
   structured-output constraint, goes through the peer link's pickling (the tokenizer by name)
