@@ -152,3 +152,18 @@ def spawn_process(model_dir: str, port: int, pid: int, spec: dict, devices: int 
                            model_dir, str(port), str(pid), str(devices), json.dumps(spec)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=dict(os.environ, PYTHONPATH=root))
+
+
+def kill_the_follower_once_it_ran(model_dir: str, spec: dict):
+  """Two processes of `spec` (with `then_killed`): once process 0 has printed its results and
+  generates again, process 1 is killed. Process 0 (still running) and its stderr lines so far."""
+  import signal
+  import time
+  port = free_port()
+  leader, follower = [spawn_process(model_dir, port, pid, spec) for pid in (0, 1)]
+  lines, t0 = [], time.monotonic()
+  while "generating again" not in (line := leader.stderr.readline()):
+    lines.append(line)
+    assert time.monotonic() - t0 < 600 and leader.poll() is None, "".join(lines[-40:])
+  follower.send_signal(signal.SIGKILL)
+  return leader, lines

@@ -422,11 +422,10 @@ def test_across_processes_matches_colocated(tiny_model_dir):
   process holds a page or a request at the end. Then the decode process is killed mid-way:
   process 0 stops at once with an error naming it."""
   import json
-  import signal
   import time
 
   from jinfer.loader import load_model
-  from tests.engine_fixtures import free_port, spawn_process
+  from tests.engine_fixtures import kill_the_follower_once_it_ran
   sizes = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32, page_size=16)
   colocated = LLMEngine.from_parts(*load_model(tiny_model_dir, load_tokenizer=False),
                                    warmup=False, config=EngineConfig.of(
@@ -440,13 +439,7 @@ def test_across_processes_matches_colocated(tiny_model_dir):
                                                "prefill_devices": 2, "decode_devices": 2}),
               prompts=PROMPTS, max_tokens=40, seeded=True, ignore_eos=True, abort=abort,
               then_killed=True)
-  port = free_port()
-  leader, follower = [spawn_process(tiny_model_dir, port, pid, spec) for pid in (0, 1)]
-  lines, t0 = [], time.monotonic()
-  while "generating again" not in (line := leader.stderr.readline()):
-    lines.append(line)
-    assert time.monotonic() - t0 < 600 and leader.poll() is None, "".join(lines[-40:])
-  follower.send_signal(signal.SIGKILL)
+  leader, lines = kill_the_follower_once_it_ran(tiny_model_dir, spec)
   # Its error at once (the process then exits once the runtime's heartbeat gives up the peer).
   t0 = time.monotonic()
   while "decode process 1 is gone" not in (line := leader.stderr.readline()):

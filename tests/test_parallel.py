@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import json
 import os
-import signal
 import time
 
 import jax
@@ -29,7 +28,7 @@ from jinfer.parallel.mesh import ParallelConfig, make_mesh
 from jinfer.quant.groupwise import GroupwiseArray
 from jinfer.sampling.params import SamplingParams
 from pallas_kernels import AttentionMetadata
-from tests.engine_fixtures import SMOLLM2, CompileCounter, free_port, spawn_process
+from tests.engine_fixtures import SMOLLM2, CompileCounter, kill_the_follower_once_it_ran
 from tests.tiny_gguf import write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8,
@@ -516,14 +515,8 @@ def test_two_processes_match_one_and_a_killed_peer_is_an_error(tiny_dir):
   naming the lost task instead of hanging in a collective (a 10 s heartbeat instead of the
   default 30 s to wait out)."""
   path, loaded = tiny_dir
-  port = free_port()
-  spec = dict(MP_SPEC, heartbeat_timeout_s=10, then_killed=True)
-  leader, follower = [spawn_process(path, port, pid, spec) for pid in (0, 1)]
-  lines, t0 = [], time.monotonic()
-  while "generating again" not in (line := leader.stderr.readline()):
-    lines.append(line)
-    assert time.monotonic() - t0 < 600 and leader.poll() is None, "".join(lines[-40:])
-  follower.send_signal(signal.SIGKILL)
+  leader, _ = kill_the_follower_once_it_ran(
+      path, dict(MP_SPEC, heartbeat_timeout_s=10, then_killed=True))
   t0 = time.monotonic()
   out, err = leader.communicate(timeout=120)
   assert leader.returncode != 0 and time.monotonic() - t0 < 120
