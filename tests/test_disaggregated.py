@@ -243,6 +243,7 @@ def test_constraints_and_prompt_logprobs_cross_the_hand_over(tiny_model):
   _no_leaks(split)
 
 
+@pytest.mark.slow
 def test_a_request_crosses_processes_and_decodes_on(tiny_model):
   """What a hand-over to another process carries: a request just prefilled, under a
   structured-output constraint, goes through the peer link's pickling (the tokenizer by name)
