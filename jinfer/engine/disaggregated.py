@@ -70,6 +70,8 @@ from pallas_kernels.kv_cache_layout import SINK_PAGE
 
 log = logging.getLogger(__name__)
 
+STATS_INTERVAL_S = 0.5  # how often a busy decode process sends its engines' stats
+
 
 @dataclasses.dataclass(eq=False)
 class _Transfer:
@@ -174,6 +176,7 @@ class DisaggregatedEngine(FrontEnd):
     self._returned: list[_Group] = []
     self._adopted: list[str] = []
     self._closing = self._changed = False
+    self._stats_sent = 0.0  # when a decode process last sent its engines' stats
     if not kvt.in_process:
       self._join(tokenizer, warmup)
       return
@@ -256,10 +259,16 @@ class DisaggregatedEngine(FrontEnd):
           shift = self._clock_offset
           for g in returned:
             leaving(g, shift)
+          # Stats cost a walk over every running sequence's pages: not every step, but always
+          # once the engines are idle (what process 0 reads when everything has ended).
+          now, stats = time.monotonic(), None
+          if (now - self._stats_sent >= STATS_INTERVAL_S
+              or not any(d.scheduler.running for d in self.decode)):
+            stats, self._stats_sent = [d.stats() for d in self.decode], now
           self._leader.send(dict(
               outputs=[dataclasses.replace(o, metrics=o.metrics and o.metrics.shifted(shift))
                        for o in outputs],
-              returned=returned, adopted=adopted, stats=[d.stats() for d in self.decode]))
+              returned=returned, adopted=adopted, stats=stats))
     finally:
       self.close()
 
@@ -278,7 +287,7 @@ class DisaggregatedEngine(FrontEnd):
       return
     for link, mine in self._peers.items():
       for msg in link.receive():
-        for e, st in zip(mine, msg["stats"]):
+        for e, st in zip(mine, msg["stats"] or ()):
           e.stats = st
         for rid in msg["adopted"]:
           for e in mine:

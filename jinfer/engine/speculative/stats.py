@@ -10,6 +10,8 @@ formula's at the estimated alpha.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 
 
 @dataclasses.dataclass
@@ -45,19 +47,20 @@ class SpecStats:
       self.num_full += 1
       self.full_tokens += num_accepted + 1
 
+  def _zip(self, other: "SpecStats", op) -> "SpecStats":
+    """`op` of the two field by field (the per-position lists entry by entry)."""
+    def combine(name):
+      a, b = getattr(self, name), getattr(other, name)
+      return [op(x, y) for x, y in zip(a, b)] if isinstance(a, list) else op(a, b)
+    return SpecStats(self.num_speculative_tokens, **{
+        f.name: combine(f.name) for f in dataclasses.fields(self)
+        if f.name != "num_speculative_tokens"})
+
   @classmethod
   def total(cls, stats: list["SpecStats"]) -> "SpecStats | None":
     """Several engines' counts as one (None if there are none)."""
-    if not stats:
-      return None
-    out = cls(stats[0].num_speculative_tokens)
-    for s in stats:
-      for f in dataclasses.fields(s):
-        if f.name in ("drafted_per_position", "accepted_per_position"):
-          setattr(out, f.name, [a + b for a, b in zip(getattr(out, f.name), getattr(s, f.name))])
-        elif f.name != "num_speculative_tokens":
-          setattr(out, f.name, getattr(out, f.name) + getattr(s, f.name))
-    return out
+    return functools.reduce(lambda a, b: a._zip(b, operator.add), stats[1:],
+                            stats[0].copy()) if stats else None
 
   def copy(self) -> "SpecStats":
     return dataclasses.replace(self, drafted_per_position=list(self.drafted_per_position),
@@ -65,14 +68,7 @@ class SpecStats:
 
   def since(self, earlier: "SpecStats") -> "SpecStats":
     """The counts accumulated after `earlier` (a copy taken before)."""
-    diff = {f.name: getattr(self, f.name) - getattr(earlier, f.name)
-            for f in dataclasses.fields(self) if f.name not in (
-                "num_speculative_tokens", "drafted_per_position", "accepted_per_position")}
-    return SpecStats(self.num_speculative_tokens, **diff,
-                     drafted_per_position=[a - b for a, b in zip(self.drafted_per_position,
-                                                                 earlier.drafted_per_position)],
-                     accepted_per_position=[a - b for a, b in zip(self.accepted_per_position,
-                                                                  earlier.accepted_per_position)])
+    return self._zip(earlier, operator.sub)
 
   @property
   def acceptance_rate(self) -> float:
