@@ -164,8 +164,10 @@ def _assert_same(got, want, rtol: float = 0.0):
 QUANTIZED_RTOL = 1e-3
 
 
+# Slow tier, all: an engine on a mesh compiles its steps (18 s for TP 2 alone); the quick tier
+# keeps the parts (sharding rules, ring attention, split matmuls, bytes per device).
 @pytest.mark.parametrize("options", [
-    dict(tensor_parallel_size=2),
+    pytest.param(dict(tensor_parallel_size=2), marks=pytest.mark.slow),
     pytest.param(dict(tensor_parallel_size=8), marks=pytest.mark.slow),  # KV heads x4
     pytest.param(dict(tensor_parallel_size=2, data_parallel_size=2), marks=pytest.mark.slow),
     # TP 4 x CP 2 runs int4 weights in test_int4_parallel_matches_one_device, TP 2 x CP 2
