@@ -1,13 +1,15 @@
 """Resolve a model name or path to (config, params, tokenizer)."""
 from __future__ import annotations
 
+import json
 import os
 
 import jax.numpy as jnp
 
 from jinfer.config import ModelConfig
 from jinfer.tokenizer import Tokenizer
-from jinfer.weights.builtin import builtin_path, is_builtin, known_names
+from jinfer.weights.builtin import (CONFIG_ONLY_MODELS, builtin_path, config_only_path,
+                                    is_builtin, known_names)
 from jinfer.weights.gguf_file import gguf_config, load_gguf, open_gguf
 from jinfer.weights.gguf_quantized import read_gguf_groupwise
 from jinfer.weights.hf_layout import hf_to_params
@@ -29,8 +31,16 @@ def load_model(model: str, dtype=jnp.float32, *, load_tokenizer: bool = True,
   exactly, see `jinfer/weights/gguf_quantized.py`) with `keep_gguf_quantized`, else they are
   dequantized to `dtype`. A directory jinfer saved a quantized model into
   (`jinfer/weights/quantized_checkpoint.py`) loads its params as saved, the config and tokenizer
-  from the model they came from. `config_only`: no params (None)."""
+  from the model they came from. `config_only`: no params (None); it also takes the names of
+  the shipped configs of public models (`CONFIG_ONLY_MODELS`: shapes only, no weights or
+  tokenizer anywhere)."""
   name = model
+  if model in CONFIG_ONLY_MODELS:
+    if not config_only:
+      raise ValueError(f"{model!r} is a shipped config without weights (for `jinfer plan`); "
+                       f"pass its HF directory or GGUF file to run it")
+    with open(config_only_path(model)) as f:
+      return ModelConfig.from_hf_dict(json.load(f), source=f"{model} (shipped config)"), None, None
   if is_builtin(model):
     model = builtin_path(model)
   config, params, tokenizer = _load(model, dtype, load_tokenizer, keep_gguf_quantized, config_only)

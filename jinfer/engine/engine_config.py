@@ -29,11 +29,14 @@ from jinfer.models.kv_groups import KVGroups
 from jinfer.parallel.mesh import ParallelConfig
 from pallas_kernels import KVCacheSpec
 
-PLATFORM_DEFAULTS = {  # backend -> (attention, int8 matmul, grouped matmul)
-    "tpu": ("pallas_tpu", "pallas_tpu", "pallas_tpu"),
-    "gpu": ("pallas_gpu", "pallas_gpu", "ragged_dot"),
+# platform -> (attention, int8 matmul, grouped matmul, group-wise matmul, dense matmul): chosen
+# from the platform the engine resolves for, never from where jax happens to run (a step built
+# for a TPU on a CPU machine must pick the TPU's kernels).
+PLATFORM_DEFAULTS = {
+    "tpu": ("pallas_tpu", "pallas_tpu", "pallas_tpu", "pallas_tpu", "reference"),
+    "gpu": ("pallas_gpu", "pallas_gpu", "ragged_dot", "pallas_gpu", "reference"),
 }
-CPU_DEFAULTS = ("xla", "xla", "xla")
+CPU_DEFAULTS = ("xla", "xla", "xla", "xla", "xla_cpu")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 # What a quantized KV cache stores (with a float32 scale per token and KV head, see
 # pallas_kernels/kv_cache_layout.py); "auto" stores the model's dtype.
@@ -226,7 +229,8 @@ class EngineConfig:
         num_pages=_num_pages(config, groups),
         attention_backend=k.attention_backend or defaults[0],
         matmul_backend=k.matmul_backend or defaults[1],
-        grouped_matmul_backend=k.grouped_matmul_backend or defaults[2])
+        grouped_matmul_backend=k.grouped_matmul_backend or defaults[2],
+        groupwise_backend=defaults[3], dense_backend=defaults[4])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -241,6 +245,8 @@ class ResolvedConfig:
   attention_backend: str
   matmul_backend: str
   grouped_matmul_backend: str
+  groupwise_backend: str
+  dense_backend: str
 
   # The sections, as resolved.
   model = property(lambda self: self.config.model)
@@ -299,10 +305,10 @@ class ResolvedConfig:
     """`mesh`: the devices the model runs over, None for one device."""
     return KernelOptions(attention=self.attention_backend, matmul=self.matmul_backend,
                          int8_transposed=self.matmul_backend == "xla" and mesh is None,
-                         dense=None if mesh is None else "reference",
+                         dense=self.dense_backend if mesh is None else "reference",
                          # Pallas kernels are opaque to XLA's partitioner (sharded operands
                          # would be gathered whole); the XLA form splits like any dot.
-                         groupwise=None if mesh is None else "xla",
+                         groupwise=self.groupwise_backend if mesh is None else "xla",
                          grouped_matmul=self.grouped_matmul_backend,
                          interpret=self.kernels.interpret, quantization=self.model.quantization,
                          mesh=mesh, context_layout=self.parallel.context_layout,

@@ -113,6 +113,21 @@ def _step(model: CausalLM, in_step: InStep | None, params, kv_cache, inp: StepIn
   ), kv_cache
 
 
+def jit_step(model: CausalLM, in_step: InStep | None = None, out_shardings=None) -> Callable:
+  """`model`'s step, jitted: `(params, kv_cache, step_input, drafts, in_step_weights) ->
+  (StepOutput, kv_cache)`. The cache is donated: XLA updates it in place instead of copying it
+  every step."""
+  return jax.jit(functools.partial(_step, model, in_step), donate_argnums=(1,),
+                 out_shardings=out_shardings)
+
+
+def step_shardings(mesh: Mesh, quantized_kv: bool):
+  """(the KV cache's sharding, the step's out_shardings) on `mesh`: outputs replicated, so every
+  process can read them; the cache as it came in."""
+  kv = sharding.kv_cache_sharding(mesh, quantized_kv)
+  return kv, (NamedSharding(mesh, P()), kv)
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
   """One way to run the layer stack: the model, the params in the layout it reads, and its
@@ -143,8 +158,7 @@ class ModelRunner:
     if mesh is not None:
       params = sharding.shard_params(params, logical_axes(config), mesh, expert_parallel,
                                      linear=linear_kernels(config))
-      kv_sharding = sharding.kv_cache_sharding(mesh, spec.quantized)
-      out_shardings = (NamedSharding(mesh, P()), kv_sharding)
+      kv_sharding, out_shardings = step_shardings(mesh, spec.quantized)
       # Sharded params run the scanned stack only: the CPU's per-layer views are single-device
       # arrays that would drop the sharding, and off the CPU the scan reads its weights in
       # place anyway, so an unrolled variant would only add compiles.
@@ -159,10 +173,8 @@ class ModelRunner:
                                          else jax.devices()[0])
       params = jax.device_put(params, kv_sharding)
     self.unrolled_max_tokens = unrolled_max_tokens
-    # The cache is donated: XLA updates it in place instead of copying it every step.
     self.in_step_weights = in_step_weights
-    jit = lambda model: jax.jit(functools.partial(_step, model, in_step),
-                                donate_argnums=(1,), out_shardings=out_shardings)
+    jit = lambda model: jit_step(model, in_step, out_shardings)
 
     def variant(scan: bool) -> Variant:
       model = CausalLM(config, kernels, dtype=dtype, scan_layers=scan, kv_groups=kv_groups)

@@ -119,9 +119,10 @@ def param_shardings(axes: dict, mesh: Mesh, expert_parallel: bool = False) -> di
 
 
 def shard_params(params: dict, axes: dict, mesh: Mesh, expert_parallel: bool = False,
-                 linear: dict | None = None) -> dict:
+                 linear: dict | None = None, place=jax.device_put) -> dict:
   """`linear`: the model's `linear_kernels(config)`, needed where params hold `GroupwiseArray`s
-  (which axes of theirs contract)."""
+  (which axes of theirs contract). `place(array, sharding)` puts each array (the default), or
+  describes it (`abstract`: params of shapes only, for compiling without weights)."""
   shardings = param_shardings(axes, mesh, expert_parallel)
   decls = {} if linear is None else dict(jax.tree_util.tree_flatten_with_path(
       linear, is_leaf=lambda x: isinstance(x, tuple))[0])
@@ -142,8 +143,8 @@ def shard_params(params: dict, axes: dict, mesh: Mesh, expert_parallel: bool = F
       else:
         scale_spec = P(*(spec[:lead] + spec[lead + w.n_in:]))
       return dataclasses.replace(
-          w, values=jax.device_put(w.values, sharding),
-          scale=jax.device_put(w.scale, NamedSharding(mesh, scale_spec)))
+          w, values=place(w.values, sharding),
+          scale=place(w.scale, NamedSharding(mesh, scale_spec)))
     if isinstance(w, GroupwiseArray):
       decl = decls.get(path)
       if decl is None and axes_of(path) == ("vocab", "embed"):
@@ -155,12 +156,12 @@ def shard_params(params: dict, axes: dict, mesh: Mesh, expert_parallel: bool = F
           w, tuple(sharding.spec), decl, mesh.shape["tensor"])
       if why:
         whole.append(f"{_name(path)} ({why})")
-      put_as = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*lead_spec, *spec)))
+      put_as = lambda a, *spec: place(a, NamedSharding(mesh, P(*lead_spec, *spec)))
       return dataclasses.replace(
           w, q=put_as(w.q, k_spec, n_spec), scale=put_as(w.scale, k_spec, n_spec),
           offset=put_as(w.offset, k_spec, n_spec),
           perm=None if w.perm is None else put_as(w.perm, k_spec))
-    return jax.device_put(w, sharding)
+    return place(w, sharding)
 
   out = jax.tree_util.tree_map_with_path(
       put, params, shardings, is_leaf=lambda x: isinstance(x, (QArray, GroupwiseArray)))
@@ -168,6 +169,11 @@ def shard_params(params: dict, axes: dict, mesh: Mesh, expert_parallel: bool = F
     log.info("group-wise kernels kept whole along an axis the float kernel splits: %s",
              "; ".join(whole))
   return out
+
+
+def abstract(a, sharding) -> jax.ShapeDtypeStruct:
+  """`shard_params`' `place` for params of shapes only: `a`'s shape and dtype with `sharding`."""
+  return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 
 
 def _name(path) -> str:

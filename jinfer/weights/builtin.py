@@ -100,6 +100,18 @@ SHIPPED_CHECKPOINTS = ("smollm2-135m-draft", "smollm2-135m-medusa")
 _CHUNK = 1 << 20
 
 
+# Configs (config.json, no weights) of public models, for planning a deployment on hardware this
+# machine does not have (`jinfer plan`): their shapes are all a plan reads.
+MODEL_CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_configs")
+CONFIG_ONLY_MODELS = tuple(sorted(f[:-len(".json")] for f in os.listdir(MODEL_CONFIGS_DIR)
+                                  if f.endswith(".json")))
+
+
+def config_only_path(name: str) -> str:
+  """The shipped config.json of a config-only model name (one of CONFIG_ONLY_MODELS)."""
+  return os.path.join(MODEL_CONFIGS_DIR, name + ".json")
+
+
 def is_builtin(name: str) -> bool:
   """A model name `load_model` resolves (`builtin_path`)."""
   return name in BUILTIN_MODELS or name in RANDOM_MODELS

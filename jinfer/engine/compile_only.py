@@ -1,0 +1,225 @@
+"""An engine's steps built for devices it does not run on (a TPU slice, a GPU), from shapes only.
+
+`AbstractEngine` makes what `LLMEngine` makes, by the same functions, for a model config and
+engine options: the config resolved for the target's platform (its kernels, dtype, buckets, KV
+groups), the mesh over the target's devices, the params quantized and laid out by the sharding
+rules, the KV pool, and the jitted step (`runner.jit_step`). Params and the cache are
+`ShapeDtypeStruct`s with their shardings: nothing is allocated, so a 70B model plans on a laptop.
+`build(shape)` runs the real compiler on one step shape (the engine's warmup list,
+`buckets.shapes`) and reports what it says: built or its error, seconds, the bytes its
+`memory_analysis()` gives per device, the collectives in the optimized HLO, and its cost model's
+figures where the platform has one.
+
+What it does not plan yet: speculation with a draft model or Medusa heads (their own steps and
+weights), GGUF blocks kept quantized (their layout comes from a file), several processes.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from jinfer.config import ModelConfig
+from jinfer.engine import weight_quantization
+from jinfer.engine.engine_config import EngineConfig, default_dtype
+from jinfer.engine.runner import jit_step, step_shardings
+from jinfer.engine.step_input import empty_step_input, to_step_input
+from jinfer.errors import ParameterError
+from jinfer.models import CausalLM, linear_kernels, logical_axes, param_shapes
+from jinfer.parallel.mesh import make_mesh
+from jinfer.parallel.sharding import abstract, check_tensor_parallel, duplicate_kv_heads, shard_params
+
+# Collective ops in optimized HLO, counted per step (their `-start` halves for async ones).
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_COLLECTIVE = re.compile(r"= [^=]*? (" + "|".join(COLLECTIVES) + r")(-start)?\(")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBuild:
+  """What the compiler said of one step shape, per device."""
+  tokens: int  # T, the token bucket
+  prompt_logprobs: bool
+  verify: bool
+  seconds: float  # to lower and compile
+  error: str | None = None  # the compiler's refusal, shortened to its cause; None: it built
+  argument_bytes: int = 0
+  output_bytes: int = 0
+  alias_bytes: int = 0  # outputs written into donated arguments (the KV cache)
+  temp_bytes: int = 0  # the step's own scratch: what it needs beyond params and cache
+  code_bytes: int = 0
+  collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+  # The compiler's cost model ("flops", "bytes accessed", TPU's "optimal_seconds" ...): an
+  # estimate, and Pallas kernels count nothing there unless they declare a cost.
+  cost: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  @property
+  def built(self) -> bool:
+    return self.error is None
+
+  @property
+  def peak_bytes(self) -> int:
+    """Device memory while the step runs: its arguments, outputs not aliased to them, temps."""
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+def short_error(e: BaseException, limit: int = 300) -> str:
+  """A compiler's exception as one line: its last informative line (the cause, where XLA and
+  Mosaic put a traceback of their own before it), at most `limit` characters."""
+  text = f"{type(e).__name__}: {e}"
+  lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+  keep = [ln for ln in lines if not ln.startswith(("File ", "at ", "Traceback", "---", "^"))]
+  cause = next((ln for ln in keep if re.search(r"(?i)error|oom|exceed|unsupported|not|invalid|"
+                                               r"failed|cannot|must", ln)), keep[0] if keep else text)
+  if cause != lines[0] and len(lines[0]) < 120:
+    cause = f"{lines[0]} ... {cause}"
+  return cause if len(cause) <= limit else cause[:limit - 3] + "..."
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+  return dict(collections.Counter(m.group(1) for m in _COLLECTIVE.finditer(hlo_text)))
+
+
+def _shape_only_quantization(quantization: str | None, options: dict) -> dict:
+  """The quantizer options with the same output shapes and no calibration (AWQ and GPTQ store
+  what RTN stores; SmoothQuant folds into the norms): shapes are all a plan needs."""
+  if quantization == "int4":
+    return dict(options, method="rtn")
+  if quantization == "w8a8":
+    return dict(options, smoothquant=False)
+  return options
+
+
+class AbstractEngine:
+  """`devices`: the target's devices (compile-only ones, or real ones), at least the engine's
+  tensor x context parallel size; `platform`: theirs ("tpu", "gpu" or "cpu")."""
+
+  def __init__(self, model_config: ModelConfig, config: EngineConfig, devices, platform: str,
+               dtype=None):
+    dtype = dtype or default_dtype(platform)
+    if config.model.quantization == "gguf":
+      raise ParameterError("quantization", "planning quantization='gguf' needs the GGUF "
+                           "file's blocks, which a plan does not read yet: plan 'int4' or "
+                           "'int8' for a similar size")
+    if config.speculative is not None and config.speculative.method != "ngram":
+      raise ParameterError("speculative_config", f"planning {config.speculative.method!r} "
+                           f"speculation is not supported yet (its proposer has steps and "
+                           f"weights of its own): plan 'ngram', or without speculation")
+    if config.parallel.data_parallel_size > 1:
+      raise ParameterError("data_parallel_size", "plan one data-parallel rank (each is an "
+                           "engine of its own): leave data_parallel_size at 1")
+    self.model_config, self.platform, self.dtype = model_config, platform, dtype
+    self.config = c = config.resolve(model_config, dtype, platform)
+    par = c.parallel
+    devices = list(devices)
+    if par.devices_per_engine > len(devices):
+      raise ParameterError("tensor_parallel_size", f"tensor_parallel_size x "
+                           f"context_parallel_size = {par.devices_per_engine} devices; the "
+                           f"target has {len(devices)}")
+    mesh = None
+    if par.is_parallel:
+      check_tensor_parallel(model_config, par.tensor_parallel_size, par.enable_expert_parallel)
+      mesh = make_mesh(par, devices)
+    self.mesh = mesh
+    self.kernels = kernels = c.kernel_options(mesh)
+    self.buckets = dataclasses.replace(c.buckets(), vocab_size=model_config.vocab_size)
+
+    q = c.model.quantization
+    options = _shape_only_quantization(
+        q, weight_quantization.check_config(q, c.model.quantization_config))
+
+    self.run_config = model_config
+
+    def run_params(params):  # what the engine's _build does to the params it loads
+      params = weight_quantization.quantize_weights(
+          model_config, params, q, options, int8_transposed=kernels.int8_transposed)
+      if mesh is not None:
+        self.run_config, params = duplicate_kv_heads(model_config, params,
+                                                     par.tensor_parallel_size)
+      return params
+
+    params = jax.eval_shape(run_params, param_shapes(model_config, dtype))
+    run_config = self.run_config
+    self.kv_spec = spec = c.kv_spec(run_config)
+    kv = jax.eval_shape(spec.allocate)
+    if mesh is not None:
+      self.params = shard_params(params, logical_axes(run_config), mesh,
+                                 par.enable_expert_parallel, linear=linear_kernels(run_config),
+                                 place=abstract)
+      kv_sharding, out_shardings = step_shardings(mesh, spec.quantized)
+      self.kv_cache = jax.tree.map(abstract, kv, kv_sharding)
+      self._replicated = NamedSharding(mesh, P())
+    else:
+      one = self._replicated = SingleDeviceSharding(devices[0])
+      self.params, self.kv_cache = jax.tree.map(lambda a: abstract(a, one), (params, kv))
+      out_shardings = None
+    model = CausalLM(run_config, kernels, dtype=dtype, scan_layers=True, kv_groups=c.kv_groups)
+    self._step = jit_step(model, None, out_shardings)
+
+  def shapes(self) -> list[tuple[int, bool, bool]]:
+    """Every step shape the engine would warm up: (tokens, prompt_logprobs, verify)."""
+    return self.buckets.shapes(self.config.model.enable_prompt_logprobs)
+
+  def lower(self, shape: tuple[int, bool, bool]):
+    t, prompt_lp, verify = shape
+    inp = to_step_input(empty_step_input(self.buckets, t, prompt_lp, verify), self.buckets)
+    inp = jax.tree.map(lambda a: abstract(jnp.asarray(a), self._replicated), inp)
+    return self._step.lower(self.params, self.kv_cache, inp, None, None)
+
+  def build(self, shape: tuple[int, bool, bool]) -> StepBuild:
+    """Compile one step shape; a refusal is reported, not raised."""
+    t0 = time.monotonic()
+    try:
+      compiled = self.lower(shape).compile()
+    except Exception as e:  # the compiler's refusal (Mosaic, VMEM, shared memory, HBM ...)
+      return StepBuild(*shape, seconds=time.monotonic() - t0, error=short_error(e))
+    seconds = time.monotonic() - t0
+    m = compiled.memory_analysis()
+    try:
+      cost = compiled.cost_analysis() or {}
+    except Exception:  # the GPU compiler has no cost model in compile-only mode
+      cost = {}
+    if isinstance(cost, list):  # older jax: one dict per program
+      cost = cost[0] if cost else {}
+    keep = {k: float(v) for k, v in cost.items()
+            if k in ("flops", "transcendentals", "bytes accessed", "optimal_seconds")}
+    return StepBuild(
+        *shape, seconds=seconds, argument_bytes=m.argument_size_in_bytes,
+        output_bytes=m.output_size_in_bytes, alias_bytes=m.alias_size_in_bytes,
+        temp_bytes=m.temp_size_in_bytes, code_bytes=m.generated_code_size_in_bytes,
+        collectives=count_collectives(compiled.as_text()), cost=keep)
+
+  # -- sizes, per device ----------------------------------------------------------------------
+  @property
+  def weight_bytes(self) -> int:
+    return _bytes_per_device(self.params)
+
+  @property
+  def kv_cache_bytes(self) -> int:
+    return _bytes_per_device(self.kv_cache)
+
+  @property
+  def page_bytes(self) -> int:
+    """One page of the pool on one device (every layer slot, K and V, scales included)."""
+    return self.kv_cache_bytes // (self.kv_spec.num_pages // self.config.parallel.context_parallel_size)
+
+
+def _bytes_per_device(tree) -> int:
+  """Bytes the first device holds of `tree`'s abstract arrays (every device holds as much: the
+  sharding rules split evenly or replicate)."""
+  total = 0
+  for a in jax.tree.leaves(tree):
+    shard = a.sharding.shard_shape(a.shape)
+    total += int(jnp.dtype(a.dtype).itemsize * _prod(shard))
+  return total
+
+
+def _prod(shape) -> int:
+  n = 1
+  for s in shape:
+    n *= s
+  return n
