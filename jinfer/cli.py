@@ -1,4 +1,4 @@
-"""The `jinfer` command: generate, chat, bench, quantize, serve, precompile, bench-serve."""
+"""The `jinfer` command: generate, chat, bench, quantize, serve, precompile, plan, bench-serve."""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +36,11 @@ def _field_help() -> dict[str, str]:
   return out
 
 
+def _config_only_names() -> tuple[str, ...]:
+  from jinfer.weights.builtin import CONFIG_ONLY_MODELS
+  return CONFIG_ONLY_MODELS
+
+
 # Short flags kept from before the options were generated.
 _ALIASES = {"tensor_parallel_size": "-tp", "context_parallel_size": "-cp",
             "data_parallel_size": "-dp"}
@@ -47,6 +52,8 @@ def _add_engine_args(p, *, skip: tuple[str, ...] = (), **defaults):
   `defaults` override the sections'; `skip`: options this command sets itself."""
   from jinfer.engine.engine_config import KV_TRANSFER, SPECULATIVE, option_fields
   helps = _field_help()
+  p.add_argument("--dtype", default="auto", choices=DTYPES,
+                 help="weights and activations; auto: float32 on the CPU, bfloat16 elsewhere")
   groups = {}
   for section, f in option_fields():
     if f.name in skip:
@@ -82,6 +89,16 @@ def _add_engine_args(p, *, skip: tuple[str, ...] = (), **defaults):
              "\"prefill_num_pages\": P} (see KVTransferConfig)")
 
 
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # vLLM's --dtype choices
+
+
+def _dtype(args):
+  """`--dtype` as `LLM(dtype=)` takes it: None for auto (the platform's default)."""
+  import jax.numpy as jnp
+  name = getattr(args, "dtype", "auto")
+  return None if name == "auto" else jnp.dtype(name)
+
+
 def _bool(text: str) -> bool:
   if text.lower() not in ("true", "false"):
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
@@ -105,7 +122,7 @@ def _engine(args):
   from jinfer.engine.engine import LLMEngine
   # One-shot commands run in the startup buckets only (a long prompt is chunked to them):
   # compiling every bucket costs more than it saves here.
-  return LLMEngine(args.model, config=_engine_config(args), warmup="never")
+  return LLMEngine(args.model, dtype=_dtype(args), config=_engine_config(args), warmup="never")
 
 
 def _params(args):
@@ -189,7 +206,7 @@ def cmd_bench(args):
                             output_len_min=args.output_len_min, seed=args.seed)
   config = _engine_config(args, max_model_len=args.max_model_len or workload.max_len)
   # Every bucket compiled first, so that no compile runs beside the timed run.
-  engine = create_engine(args.model, config=config, warmup="now")
+  engine = create_engine(args.model, dtype=_dtype(args), config=config, warmup="now")
   summary = {"model": args.model, **run_offline(engine, workload)}
   text = json.dumps(summary, indent=2)
   print(text)
@@ -200,7 +217,7 @@ def cmd_bench(args):
 
 def cmd_quantize(args):
   from jinfer.engine.engine import LLMEngine
-  engine = LLMEngine(args.model, config=_engine_config(args), warmup=False)
+  engine = LLMEngine(args.model, dtype=_dtype(args), config=_engine_config(args), warmup=False)
   engine.save_quantized(args.out)
   print(f"saved {args.model} ({args.quantization}) to {args.out}: "
         f"{engine.stats().weight_bytes / 2**20:.0f} MiB of weights", file=sys.stderr)
@@ -235,7 +252,7 @@ def cmd_serve(args):
       enable_auto_tool_choice=args.enable_auto_tool_choice,
       tool_call_parser=args.tool_call_parser)
   serve(args.model, options=options, served_model_name=args.served_model_name, config=config,
-        distributed_config=dist)
+        distributed_config=dist, dtype=_dtype(args))
 
 
 def cmd_precompile(args) -> dict:
@@ -252,7 +269,8 @@ def cmd_precompile(args) -> dict:
   # Before anything compiles, so that loading the weights is cached too.
   cache = compilation_cache.enable()
   compiled, loaded = compilation_cache.compiles(), compilation_cache.cache_hits()
-  engine = create_engine(args.model, config=config, warmup="now")  # every bucket, not some
+  # Every bucket, not some.
+  engine = create_engine(args.model, dtype=_dtype(args), config=config, warmup="now")
   engine.close()
   summary = {"model": args.model, "compilation_cache": cache,
              "compiled": compilation_cache.compiles() - compiled,
@@ -260,6 +278,25 @@ def cmd_precompile(args) -> dict:
              "seconds": round(time.perf_counter() - start, 1)}
   print(json.dumps(summary))
   return summary
+
+
+def cmd_plan(args) -> dict:
+  """Build the steps `jinfer serve` would run, with the same options, for a target this machine
+  need not have, and say whether they fit; prints the plan (JSON with --json)."""
+  import json
+
+  from jinfer.plan import plan
+  from jinfer.targets import CompilerMissing
+  try:
+    p = plan(args.model, args.target, config=_engine_config(args), dtype=_dtype(args),
+             gpu_memory_utilization=args.gpu_memory_utilization, context_len=args.context_len,
+             buckets=args.buckets)
+  except CompilerMissing as e:
+    print(f"jinfer: error: {e}", file=sys.stderr)
+    sys.exit(2)
+  out = p.to_json()
+  print(json.dumps(out, indent=2) if args.json else p.report())
+  return out
 
 
 def _add_multi_process_args(p):
@@ -392,6 +429,24 @@ def parser() -> argparse.ArgumentParser:
                  help="built-in name, HF model directory or .gguf file")
   _add_engine_args(p)
   p.set_defaults(fn=cmd_precompile)
+
+  from jinfer.targets import TARGETS
+  p = sub.add_parser("plan", help="will this model and these options fit and build on a TPU "
+                                  "slice or GPU? (its real compiler, no hardware needed)")
+  p.add_argument("--model", default=DEFAULT_MODEL,
+                 help="built-in name, HF model directory, .gguf file, config.json, or a "
+                      "shipped config: " + ", ".join(_config_only_names()))
+  p.add_argument("--target", required=True, choices=list(TARGETS))
+  p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                 help="the share of each device's HBM the weights, KV pool and step may use")
+  p.add_argument("--context-len", type=int, default=None,
+                 help="tokens of context per sequence in the decode estimates (default: half "
+                      "max_model_len)")
+  p.add_argument("--buckets", type=int, nargs="*", default=None, metavar="T",
+                 help="build only these token buckets (default: every step serve warms up)")
+  p.add_argument("--json", action="store_true", help="print the plan as JSON")
+  _add_engine_args(p, skip=("data_parallel_size", "kv_transfer_config"))
+  p.set_defaults(fn=cmd_plan)
 
   p = sub.add_parser("bench-serve", help="load a local server with random prompts; JSON figures")
   p.add_argument("--url", default="http://127.0.0.1:8000", help="a loopback address only")

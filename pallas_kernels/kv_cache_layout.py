@@ -175,13 +175,16 @@ def write_kv(cache: KVCache, layer: jax.Array | int, k: jax.Array, v: jax.Array,
   point into the sink page).
   """
   values, scales = split_cache(cache)
-  page_size = values.shape[4]
-  pages = slot_mapping // page_size  # [T]
-  offs = slot_mapping % page_size  # [T]
+  page_size, hkv = values.shape[4], values.shape[3]
+  pages = (slot_mapping // page_size)[:, None, None]  # [T, 1, 1]
+  offs = (slot_mapping % page_size)[:, None, None]
   kv = jnp.stack([k, v], axis=1)  # [T, 2, Hkv, D]
-  # The advanced indices (layer, pages, offs) broadcast to [T] and are separated by slices, so
-  # the indexed result is laid out [T, 2, Hkv, D] (scales: [T, 2, Hkv]), matching kv.
-  at = (layer, pages, slice(None), slice(None), offs)
+  # Every axis but head_dim indexed (the indices broadcast to [T, 2, Hkv]): each update is one
+  # row of D values, the cache's innermost axis. A scatter whose windows also spanned K/V and
+  # the heads (strided rows of [page_size, D] tiles) made XLA:TPU pick another layout for the
+  # cache inside the layer loop and copy the whole cache to it and back around every layer's
+  # write (found by the compile-only tier: a 64-token Llama-3.1-8B step asked for 47 GB).
+  at = (layer, pages, jnp.arange(2)[None, :, None], jnp.arange(hkv)[None, None, :], offs)
   if scales is None:
     return values.at[at].set(kv.astype(values.dtype), mode="drop", unique_indices=False)
   kv, kv_scales = quantize(jnp.stack([rotate_keys(k), v.astype(jnp.float32)], axis=1),

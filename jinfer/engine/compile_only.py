@@ -199,6 +199,11 @@ class AbstractEngine:
     return _bytes_per_device(self.params)
 
   @property
+  def weight_elements(self) -> int:
+    """Values of the params per device (a quantized weight's scales counted too: few)."""
+    return sum(_prod(a.sharding.shard_shape(a.shape)) for a in jax.tree.leaves(self.params))
+
+  @property
   def kv_cache_bytes(self) -> int:
     return _bytes_per_device(self.kv_cache)
 

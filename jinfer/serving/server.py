@@ -81,8 +81,9 @@ def build_server(engine: LLMEngine, *, model_name: str, options: ServerOptions =
 
 def serve(model: str, *, options: ServerOptions = ServerOptions(),
           served_model_name: str | None = None, config: EngineConfig | None = None,
-          distributed_config: DistributedConfig = DistributedConfig()):
-  """Several processes: process 0 serves HTTP; the others run its steps until it stops."""
+          distributed_config: DistributedConfig = DistributedConfig(), dtype=None):
+  """Several processes: process 0 serves HTTP; the others run its steps until it stops.
+  `dtype`: the model's (None: the platform's default)."""
   # force: importing orbax (absl) has already given the root logger a handler, which would make
   # this a no-op and hide jinfer's INFO lines, the address served included.
   fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -91,7 +92,7 @@ def serve(model: str, *, options: ServerOptions = ServerOptions(),
   distributed.initialize(distributed_config)
   config = config or EngineConfig()
   if not distributed_config.is_leader:
-    create_engine(model, config=config, warmup=config.runs_own_steps).follow()
+    create_engine(model, dtype=dtype, config=config, warmup=config.runs_own_steps).follow()
     return
   # Bind before the minute-long model load and warmup, so a taken port fails at once.
   sock = socket.create_server((options.host, options.port),
@@ -99,7 +100,7 @@ def serve(model: str, *, options: ServerOptions = ServerOptions(),
   if options.api_key is None and options.host not in ("127.0.0.1", "::1", "localhost"):
     log.warning("serving %s without an API key: anyone who can reach it can use it",
                 options.host)
-  engine = create_engine(model, config=config)
+  engine = create_engine(model, dtype=dtype, config=config)
   name = served_model_name or model
   log.info("engine ready: warmup %.1f s; serving %s on http://%s:%d/v1", engine.warmup_seconds,
            name, options.host, options.port)
