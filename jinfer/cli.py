@@ -285,8 +285,13 @@ def cmd_plan(args) -> dict:
   need not have, and say whether they fit; prints the plan (JSON with --json)."""
   import json
 
+  import jax
+
   from jinfer.plan import plan
   from jinfer.targets import CompilerMissing
+  # A plan runs nothing here: jax's own backends stay on the CPU, where a venv holding the TPU
+  # and GPU compilers would otherwise try each (and warn) at start.
+  jax.config.update("jax_platforms", "cpu")
   try:
     p = plan(args.model, args.target, config=_engine_config(args), dtype=_dtype(args),
              gpu_memory_utilization=args.gpu_memory_utilization, context_len=args.context_len,

@@ -178,9 +178,11 @@ class Plan:
              "memory per device (compiler's memory analysis):",
              f"  weights {_gib(e.weight_bytes)}, KV pool {_gib(e.kv_cache_bytes)} "
              f"({e.kv_spec.num_pages} pages of {e.page_bytes / 2**20:.2f} MiB), largest step "
-             f"temporaries {_gib(self.max_temp_bytes)}; peak {_gib(self.peak_bytes)} of "
-             f"{_gib(self.usable_bytes)} usable ({self.gpu_memory_utilization:.0%}): "
-             + ("FITS" if self.fits else "DOES NOT FIT"),
+             f"temporaries {_gib(self.max_temp_bytes)}; " + (
+                 f"peak {_gib(self.peak_bytes)} of {_gib(self.usable_bytes)} usable "
+                 f"({self.gpu_memory_utilization:.0%}): " + ("FITS" if self.fits else
+                                                              "DOES NOT FIT")
+                 if any(s.built for s in self.steps) else "no step built, so no peak"),
              f"  room for {self.max_num_pages} pages: "
              f"{self.sequences_at(self.max_num_pages, c.model.max_model_len)} sequences of "
              f"max_model_len",

@@ -17,6 +17,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # jinfer's log lines reach the tests' log capture (caplog) instead of a stderr handler of its own.
 os.environ["JINFER_CONFIGURE_LOGGING"] = "0"
 
+# The tests run on the CPU; with the compile-only tier's TPU and GPU compilers in the same venv
+# (the test extra brings them), jax would otherwise try (and warn about) each at start.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import jax  # noqa: E402
 
 # Eight CPU devices for the sharding tests (before anything initializes the backend); every

@@ -80,6 +80,17 @@ def short_error(e: BaseException, limit: int = 300) -> str:
   return cause if len(cause) <= limit else cause[:limit - 3] + "..."
 
 
+def compile_lowered(lowered):
+  """`lowered.compile()` past JAX's persistent compilation cache, which cannot load an
+  executable for compile-only devices (it warns, and would keep writing ones it cannot read)."""
+  on = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    return lowered.compile()
+  finally:
+    jax.config.update("jax_enable_compilation_cache", on)
+
+
 def count_collectives(hlo_text: str) -> dict[str, int]:
   return dict(collections.Counter(m.group(1) for m in _COLLECTIVE.finditer(hlo_text)))
 
@@ -174,7 +185,7 @@ class AbstractEngine:
     """Compile one step shape; a refusal is reported, not raised."""
     t0 = time.monotonic()
     try:
-      compiled = self.lower(shape).compile()
+      compiled = compile_lowered(self.lower(shape))
     except Exception as e:  # the compiler's refusal (Mosaic, VMEM, shared memory, HBM ...)
       return StepBuild(*shape, seconds=time.monotonic() - t0, error=short_error(e))
     seconds = time.monotonic() - t0

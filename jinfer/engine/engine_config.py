@@ -303,13 +303,20 @@ class ResolvedConfig:
 
   def kernel_options(self, mesh: Mesh | None = None) -> KernelOptions:
     """`mesh`: the devices the model runs over, None for one device."""
-    return KernelOptions(attention=self.attention_backend, matmul=self.matmul_backend,
+    # Over a mesh the matmuls take their XLA forms, which split like any dot: a Mosaic kernel
+    # refuses to be partitioned ("wrap the call in a shard_map"; the compile-only tier found it
+    # for int8 at TP 8 on v6e-8) and a Triton one would gather its sharded operands whole.
+    # Attention and the expert-parallel experts run their kernels per shard, under shard_map.
+    sharded = mesh is not None
+    ep = self.parallel.enable_expert_parallel
+    return KernelOptions(attention=self.attention_backend,
+                         matmul="xla" if sharded else self.matmul_backend,
                          int8_transposed=self.matmul_backend == "xla" and mesh is None,
-                         dense=self.dense_backend if mesh is None else "reference",
-                         # Pallas kernels are opaque to XLA's partitioner (sharded operands
-                         # would be gathered whole); the XLA form splits like any dot.
-                         groupwise=self.groupwise_backend if mesh is None else "xla",
-                         grouped_matmul=self.grouped_matmul_backend,
+                         dense="reference" if sharded else self.dense_backend,
+                         groupwise="xla" if sharded else self.groupwise_backend,
+                         grouped_matmul=("ragged_dot" if sharded and not ep and
+                                         self.grouped_matmul_backend.startswith("pallas")
+                                         else self.grouped_matmul_backend),
                          interpret=self.kernels.interpret, quantization=self.model.quantization,
                          mesh=mesh, context_layout=self.parallel.context_layout,
                          expert_parallel=self.parallel.enable_expert_parallel)

@@ -196,6 +196,11 @@ def _kernel(
                   mask=row_live)
 
 
+# Keys per KV block: with head_dim 128 in bf16, K and V of 128 keys and their double buffer fit
+# the shared memory of every GPU the kernel targets (the compile-only tier builds it for H100).
+MAX_BLOCK_KEYS = 128
+
+
 def ragged_paged_attention_gpu(
     q: jax.Array,  # [T, Hq, D]
     kv_cache: KVCache,  # [L, num_pages, 2, Hkv, page_size, D], see kv_cache_layout.py
@@ -218,7 +223,8 @@ def ragged_paged_attention_gpu(
 
   block_rows: query rows (tokens x G) per program; tokens per program = max(1, block_rows // G),
     capped by `md.max_q_len`. head_dim, page_size and pages_per_block must be powers of two with
-    head_dim >= 16 and pages_per_block * page_size >= 16 (Triton block shapes, smallest MMA).
+    head_dim >= 16 and pages_per_block * page_size >= 16 (Triton block shapes, smallest MMA);
+    pages_per_block is capped at MAX_BLOCK_KEYS // page_size (shared memory).
   """
   t, hq, d = q.shape
   values, scales = split_cache(kv_cache)
@@ -237,7 +243,9 @@ def ragged_paged_attention_gpu(
     block_q = min(block_q, md.max_q_len)
   rows = max(16, pl.next_power_of_2(block_q * g))
   # A power of two even past the table's width: slots past it are clamped and masked as dead.
-  ppb = min(pages_per_block, pl.next_power_of_2(p))
+  # At most MAX_BLOCK_KEYS keys per block (one page if pages are larger): the H100 build of 8
+  # pages of 128 tokens asked for 548 KiB of shared memory, where 227 KiB are the limit.
+  ppb = min(pages_per_block, pl.next_power_of_2(p), max(1, MAX_BLOCK_KEYS // page_size))
   num_items = pl.cdiv(t, block_q) + s
   if md.max_q_len is not None:
     num_items = min(num_items, s * pl.cdiv(md.max_q_len, block_q))

@@ -1,0 +1,159 @@
+"""Compile-only tier, kernels: every Pallas kernel built by the real compiler of each claimed
+target (Mosaic for TPU v5e and v6e, Triton for the H100) at production shapes, with its
+temporaries bounded by its tiles, never by the KV cache.
+
+Interpret mode checks the kernels' arithmetic (tests/test_ragged_paged_attention.py and the
+matmul files); this tier checks what only the hardware's compiler knows: lowering rules, VMEM,
+shared memory and registers, layouts. Shapes: Llama-3.1-8B's heads (32 query, 8 KV, head_dim
+128) unless a case says otherwise; the GQA ratios of the shipped configs per device.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import AttentionMetadata, ragged_paged_attention
+from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.groupwise_matmul import groupwise_matmul
+from pallas_kernels.int8_matmul import int8_matmul
+from tests.compile_targets import GPUS, TPUS, build, devices, on
+
+pytestmark = [pytest.mark.slow, pytest.mark.compile_only]
+
+BACKEND = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
+PLATFORM = {**{t: "tpu" for t in TPUS}, **{g: "gpu" for g in GPUS}}
+KV_DTYPES = {"bf16": jnp.bfloat16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+@dataclasses.dataclass(frozen=True)
+class Attn:
+  name: str
+  tokens: int = 64  # T
+  seqs: int = 64  # S: T == S is a decode step, S < T prefill or mixed
+  verify_width: int = 1
+  tree: bool = False
+  kv: str = "bf16"
+  window: bool = False
+  soft_cap: float | None = None
+  page_size: int = 16
+  heads: tuple[int, int] = (32, 8)
+  lse: bool = False  # the softmax state, as ring attention asks for it
+  num_pages: int = 2048
+  gpu: bool = True  # the case applies to the GPU kernel too
+  tpu: bool = True
+
+
+CASES = [
+    Attn("decode"),
+    Attn("prefill", tokens=512, seqs=8),
+    Attn("mixed", tokens=512, seqs=64),
+    Attn("verify_chain", tokens=64, seqs=16, verify_width=5),
+    Attn("verify_tree", tokens=128, seqs=2, verify_width=64, tree=True),
+    Attn("decode_int8", kv="int8"),
+    Attn("mixed_int8", tokens=512, kv="int8"),
+    Attn("decode_int8_page32", kv="int8", page_size=32),
+    Attn("decode_fp8", kv="fp8", tpu=False),  # the engine runs no fp8 KV on TPU
+    Attn("window", window=True),
+    Attn("mixed_window_softcap", tokens=512, window=True, soft_cap=50.0),
+    Attn("page128", page_size=128, num_pages=256),
+    Attn("lse", tokens=512, lse=True),
+    # GQA per device: Llama-3.1-70B at TP 8, Qwen3-30B-A3B, Gemma-3-27B at TP 4, SmolLM2
+    Attn("gqa_8_1", heads=(8, 1)),
+    Attn("gqa_32_4", heads=(32, 4)),
+    Attn("gqa_8_4", heads=(8, 4)),
+    Attn("gqa_9_3", heads=(9, 3)),
+]
+TARGET_CASES = [(t, c) for t in (*TPUS, *GPUS) for c in CASES
+                if (c.tpu if PLATFORM[t] == "tpu" else c.gpu)]
+
+
+def _attention(target: str, c: Attn, num_pages: int | None = None):
+  dev = devices(target)[0]
+  spec = on(dev)
+  hq, hkv, d, layers = *c.heads, 128, 2
+  pages_per_seq = 4096 // c.page_size
+  shape = (layers, num_pages or c.num_pages, 2, hkv, c.page_size, d)
+  values = spec(shape, KV_DTYPES[c.kv])
+  cache = values if c.kv == "bf16" else (values, spec(shape[:-1], jnp.float32))
+
+  def fn(q, cache, slots, table, lens, cu, n, tree_mask, layer, window):
+    from pallas_kernels import QuantizedKVCache
+    if isinstance(cache, tuple):
+      cache = QuantizedKVCache(*cache)
+    md = AttentionMetadata(slot_mapping=slots, block_table=table, kv_lens=lens, cu_q_lens=cu,
+                           num_seqs=n, tree_mask=tree_mask, verify_width=c.verify_width,
+                           max_q_len=c.tokens // c.seqs if c.tokens > c.seqs else 1)
+    return ragged_paged_attention(q, cache, md, layer=layer, sm_scale=d ** -0.5,
+                                  sliding_window=window if c.window else None,
+                                  soft_cap=c.soft_cap, return_softmax_state=c.lse,
+                                  backend=BACKEND[PLATFORM[target]])
+
+  t, s = c.tokens, c.seqs
+  return build(fn, spec((t, hq, d), jnp.bfloat16), cache, spec((t,)),
+               spec((s, pages_per_seq)), spec((s,)), spec((s + 1,)), spec((1,)),
+               spec((t, c.verify_width), jnp.bool_) if c.tree else None, spec(()), spec(()))
+
+
+@pytest.mark.parametrize("target,case", TARGET_CASES, ids=lambda x: getattr(x, "name", x))
+def test_attention_builds(target, case):
+  compiled = _attention(target, case)
+  m = compiled.memory_analysis()
+  # Scratch for a tile's worth of pages and the query block, never a copy of the cache: the
+  # cache is 2 layers x 2048 pages (256 MiB in bf16 at page 16), the tile is 8 pages.
+  assert m.temp_size_in_bytes < 16 << 20, f"{m.temp_size_in_bytes / 2**20:.1f} MiB of temps"
+
+
+@pytest.mark.parametrize("target", [*TPUS, *GPUS])
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+def test_attention_temps_do_not_grow_with_the_cache(target, kv):
+  """4x the pages, the same temporaries: nothing in the kernel or around it relayouts or copies
+  the cache (the int8 TPU build once needed 262 MB of temps at decode)."""
+  case = Attn("decode", kv=kv, num_pages=512)
+  small, large = (_attention(target, case, n).memory_analysis().temp_size_in_bytes
+                  for n in (512, 2048))
+  page = 2 * 2 * 8 * 16 * (128 * jnp.dtype(KV_DTYPES[kv]).itemsize + 4 * (kv != "bf16"))
+  # XLA's buffer assignment moves by a few bytes per page; a copy of the cache would add the
+  # 1536 pages' ~100 MB.
+  assert large - small < 1536 * page // 1000
+
+
+# Projections at production shapes: Llama-3.1-8B's MLP (4096 -> 14336, and back) and 70B's at
+# TP 8 (8192 -> 28672 / 8); decode and prefill rows.
+MATMULS = [(m, k, n) for m in (8, 512) for k, n in ((4096, 14336), (14336, 4096), (8192, 3584))]
+
+
+@pytest.mark.parametrize("target", [*TPUS, *GPUS])
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_int8_matmul_builds(target, mode):
+  spec = on(devices(target)[0])
+  for m, k, n in MATMULS:
+    build(lambda x, w, s: int8_matmul(x, w, s, mode=mode, backend=BACKEND[PLATFORM[target]]),
+          spec((m, k), jnp.bfloat16), spec((k, n), jnp.int8), spec((n,), jnp.float32))
+
+
+@pytest.mark.parametrize("target", [*TPUS, *GPUS])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_groupwise_matmul_builds(target, bits):
+  spec, g = on(devices(target)[0]), 128
+  for m, k, n in MATMULS:
+    q = spec((k // 2, n), jnp.uint8) if bits == 4 else spec((k, n), jnp.int8)
+    build(lambda x, q, s, o: groupwise_matmul(x, q, s, o, bits=bits, group_size=g,
+                                              backend=BACKEND[PLATFORM[target]]),
+          spec((m, k), jnp.bfloat16), q, spec((k // g, n), jnp.float32),
+          spec((k // g, n), jnp.float32))
+
+
+@pytest.mark.parametrize("target", TPUS)  # the GPU's grouped matmul is XLA's ragged_dot
+@pytest.mark.parametrize("quantized", [False, True])
+def test_grouped_matmul_builds(target, quantized):
+  """Mixtral-8x7B's experts (8 of 4096 -> 14336, and back), 2 per token, decode and prefill."""
+  spec = on(devices(target)[0])
+  for tokens in (8, 512):
+    for k, n in ((4096, 14336), (14336, 4096)):
+      m = 2 * tokens
+      rhs = spec((8, k, n), jnp.int8 if quantized else jnp.bfloat16)
+      scale = spec((8, n), jnp.float32) if quantized else None
+      build(lambda x, w, gs, s: grouped_matmul(x, w, gs, s, backend="pallas_tpu"),
+            spec((m, k), jnp.bfloat16), rhs, spec((8,)), scale)
