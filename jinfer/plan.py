@@ -57,7 +57,12 @@ class Plan:
   def max_num_pages(self) -> int:
     """The largest pool (`num_pages`) beside the weights and the largest step's temporaries."""
     e = self.engine
-    free = self.usable_bytes - e.weight_bytes - self.max_temp_bytes
+    # Everything but the pool: from the compiler's peak where a step built (weights, inputs,
+    # outputs, temporaries), else the weights.
+    rest = self.peak_bytes - e.kv_cache_bytes if self.peak_bytes else e.weight_bytes
+    # 1% kept back: the compiler pads the pool's arrays to its tiles, which page_bytes does
+    # not count.
+    free = int((self.usable_bytes - rest) * 0.99)
     cp = e.config.parallel.context_parallel_size
     return max(0, free // e.page_bytes * cp)
 

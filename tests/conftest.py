@@ -54,7 +54,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # workers take whole files in collection order (pyproject's addopts keep xdist from reordering
 # them by test count), and a long file taken last kept one worker busy for a quarter of a
 # minute after the other ran out of work.
-LONGEST_FIRST = ("test_spec_engine.py", "test_quant_algorithms.py", "test_spec_smollm2.py",
+LONGEST_FIRST = ("test_compile_engine.py", "test_spec_engine.py", "test_compile_sharded.py",
+                 "test_quant_algorithms.py", "test_spec_smollm2.py",
                  "test_parallel.py", "test_disaggregated.py",
                  "test_quantized_engine.py", "test_ragged_paged_attention.py",
                  "test_spec_lossless.py", "test_engine.py", "test_model_layout.py",
@@ -62,7 +63,7 @@ LONGEST_FIRST = ("test_spec_engine.py", "test_quant_algorithms.py", "test_spec_s
                  # one or two long tests each: before the many short files, never last
                  "test_kv_cache_quantization.py", "test_gemma3_270m.py", "test_distill.py",
                  "test_bench.py", "test_kernels_in_engine.py", "test_moe_engine.py",
-                 "test_long_context.py")
+                 "test_long_context.py", "test_compile_kernels.py")
 QUICK_LONGEST_FIRST = ("test_quant_algorithms.py", "test_ragged_paged_attention.py",
                        "test_parallel.py", "test_startup.py", "test_spec_engine.py",
                        "test_quantized_engine.py", "test_int8_matmul.py", "test_engine.py",

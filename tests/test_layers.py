@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Lowest first. A module belongs to the layer of the longest prefix that names it.
 LAYERS = [
     ["pallas_kernels"],
-    ["jinfer.config", "jinfer.errors", "jinfer.quant"],
+    ["jinfer.config", "jinfer.errors", "jinfer.quant", "jinfer.targets"],
     ["jinfer.weights"],  # checkpoint formats: safetensors, GGUF, orbax, built-in names
     ["jinfer.tokenizer"],  # reads GGUF metadata through jinfer.weights
     ["jinfer.loader"],  # a model name -> (config, params, tokenizer)

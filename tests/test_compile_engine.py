@@ -1,0 +1,62 @@
+"""Compile-only tier, engine steps on one device: the steps `jinfer serve` would run, built by the real
+compilers of the claimed targets through `jinfer.plan`, with the engine's own pool and sharding.
+
+Full depth where depth changes what is checked (whether weights, pool and step fit HBM); two to
+six layers and a small vocabulary where it does not (what builds, its temporaries, which
+collectives a sharded step runs: a scanned layer compiles once whatever the depth, and the
+sampler's full-vocabulary sort is what makes a TPU build slow).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.compile_targets import built, devices, plan_for as _plan
+
+pytestmark = [pytest.mark.slow, pytest.mark.compile_only]
+
+
+def test_llama_8b_bf16_fits_v6e_1():
+  """Full depth and vocabulary: decode and the largest prefill step with the default pool fit
+  one v6e's 32 GiB, and a step's temporaries are a small fraction of it (a relayout of the
+  cache once made the 64-token step need 47 GB)."""
+  p = _plan("llama-3.1-8b", "v6e-1", [1, 512])
+  built(p)
+  assert p.fits, p.report()
+  assert p.max_temp_bytes < 1 << 30, p.report()
+
+
+def test_llama_8b_int8_v5e_1_default_pool_does_not_fit_and_the_advice_does():
+  """v5e has 16 GiB: int8 weights (8 GiB) and the default pool (8 GiB) do not fit; the plan
+  says by how much and names a num_pages that fits, and with it the step builds and fits."""
+  p = _plan("llama-3.1-8b", "v5e-1", [1], quantization="int8")
+  assert not p.fits
+  pages = p.max_num_pages
+  assert 0 < pages < p.engine.kv_spec.num_pages
+  assert any(a.startswith(f"--num-pages {pages} ") for a in p.advice()), p.advice()
+  ok = _plan("llama-3.1-8b", "v5e-1", [1], quantization="int8", num_pages=pages)
+  built(ok)
+  assert ok.fits, ok.report()
+
+
+def test_llama_8b_bf16_h100():
+  """Full depth on one H100 (XLA:GPU and the Triton attention): the default pool fits its
+  80 GB, decode and the largest prefill step build."""
+  p = _plan("llama-3.1-8b", "h100", [1, 512])
+  built(p)
+  assert p.fits, p.report()
+
+
+@pytest.mark.parametrize("target", ["v6e-1", "h100"])
+def test_plan_cli_json(target, capsys):
+  """`jinfer plan ... --json` prints the plan: every figure with its source, estimates labelled
+  as estimates, a shipped config and one bucket."""
+  from jinfer.cli import main
+  devices(target)
+  main(["plan", "--model", "qwen3-8b", "--target", target, "--buckets", "1", "--json"])
+  out = json.loads(capsys.readouterr().out)
+  assert out["steps"][0]["built"] and out["memory_per_device"]["fits"]
+  assert {d["kind"] for d in out["decode"]} == {"estimate"}
+  assert [d["batch"] for d in out["decode"]] == [1, 8, 64]
+  assert out["memory_per_device"]["weights"] > 15e9  # Qwen3-8B in bf16: 16.4 GB

@@ -1,0 +1,77 @@
+"""`jinfer plan` and the abstract engine behind it, where no TPU or GPU compiler is needed: sizes
+against a real engine's, and bad input (the tier builds for the targets: test_compile_*.py)."""
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import pytest
+
+from jinfer.engine.compile_only import AbstractEngine, short_error
+from jinfer.engine.engine import LLMEngine
+from jinfer.engine.engine_config import EngineConfig
+from jinfer.errors import ParameterError
+from jinfer.plan import plan
+from jinfer import targets
+
+
+@pytest.mark.parametrize("options", [{}, {"quantization": "int8", "kv_cache_dtype": "int8"},
+                                     {"tensor_parallel_size": 2}])
+def test_abstract_sizes_are_the_engines(tiny_model, options):
+  """Weights and pool as the abstract engine counts them, per device, are what a real engine
+  with the same options allocates; and its smallest step builds on the CPU."""
+  config, params, tokenizer = tiny_model
+  ec = EngineConfig.of(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=16, **options)
+  real = LLMEngine.from_parts(config, params, tokenizer, config=ec, warmup=False)
+  abstract = AbstractEngine(config, ec, jax.devices(), "cpu")
+  per_device = real.runner.bytes_per_device()
+  weights, kv = next(iter(per_device.values()))
+  assert (abstract.weight_bytes, abstract.kv_cache_bytes) == (weights, kv)
+  assert abstract.build((1, False, False)).built
+
+
+def test_unknown_target_lists_the_known():
+  with pytest.raises(ParameterError, match="known targets: v5e-1, v5e-4"):
+    plan("llama-3.1-8b", "v7x-8")
+
+
+def test_tensor_parallel_size_that_does_not_divide_names_the_valid(tiny_model):
+  config = tiny_model[0]
+  with pytest.raises(ValueError, match="valid sizes"):
+    AbstractEngine(config, EngineConfig.of(tensor_parallel_size=3), jax.devices(), "cpu")
+
+
+def test_more_devices_than_the_target_has():
+  with pytest.raises(ParameterError, match="the target has 8"):
+    AbstractEngine(_config("llama-3.1-70b"), EngineConfig.of(tensor_parallel_size=16),
+                   jax.devices(), "cpu")
+
+
+def test_unsupported_architecture_names_the_field(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon", "hidden_size": 8}))
+  with pytest.raises(ValueError, match="model_type='falcon'"):
+    plan(str(tmp_path), "v6e-1")
+
+
+def test_missing_compiler_names_the_extra(monkeypatch):
+  targets._topology.cache_clear()
+  monkeypatch.setitem(sys.modules, "libtpu", None)  # import fails as if not installed
+  try:
+    with pytest.raises(targets.CompilerMissing, match=r"pip install 'jinfer\[compile-tpu\]'"):
+      targets.target("v6e-1").devices()
+  finally:
+    targets._topology.cache_clear()
+
+
+def test_compiler_errors_come_out_as_one_line():
+  e = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space vmem. Used 128.00M "
+                   "of 127.94M vmem.\n\nThe following allocations:\n" + "  %a = f32[8192]\n" * 200)
+  line = short_error(e)
+  assert "\n" not in line and len(line) <= 300
+  assert "Ran out of memory in memory space vmem" in line
+
+
+def _config(name):
+  from jinfer.loader import load_model
+  return load_model(name, config_only=True)[0]
