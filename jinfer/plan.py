@@ -73,7 +73,7 @@ class Plan:
     return max(0, (num_pages - 1) // need)
 
   # -- estimates ------------------------------------------------------------------------------
-  def decode_estimates(self) -> list[dict]:
+  def decode_estimates(self, batches: tuple[int, ...] = DECODE_BATCHES) -> list[dict]:
     """Decode steps of B sequences at `context_len` tokens each: the step reads every weight
     and each sequence's KV once, so its time is at least those bytes over the published HBM
     bandwidth, and at least 2 flops per weight per sequence over the published bf16 peak; the
@@ -83,7 +83,7 @@ class Plan:
     e, t = self.engine, self.target
     kv_token = e.page_bytes / e.config.cache.page_size  # one token's K/V, every layer, per device
     out = []
-    for b in DECODE_BATCHES:
+    for b in batches:
       if b > e.config.scheduler.max_num_seqs:
         continue
       memory = (e.weight_bytes + b * self.context_len * kv_token) / t.hbm_bandwidth

@@ -147,3 +147,19 @@ def test_generate_cli_prints_each_progress_line_once(tiny_model_dir):
   assert len(lines) >= 4 and all(l.startswith("jinfer: ") for l in lines), proc.stdout[-4000:]
   assert len(set(lines)) == len(lines), proc.stdout[-4000:]
   assert "1-token step" in "".join(lines), proc.stdout[-4000:]
+
+
+@pytest.mark.slow
+def test_on_device_script_puts_the_estimate_beside_the_measurement(tiny_model_dir, capsys):
+  """The chip benchmark runs on the CPU too: measured decode steps, MBU and the plan's estimate
+  for each quantization and batch."""
+  r = _run_module("jinfer.bench.on_device",
+                  ["--model", tiny_model_dir, "--quantization", "none,int8", "--batches", "1,2",
+                   "--context-len", "8", "--output-len", "4", "--target", "h100"], capsys)
+  runs = {(x["quantization"], x["batch"]): x for x in r["runs"]}
+  assert set(runs) == {(q, b) for q in (None, "int8") for b in (1, 2)}
+  assert runs["int8", 1]["weight_bytes"] < runs[None, 1]["weight_bytes"]
+  for x in runs.values():
+    assert x["step_seconds"] > 0 and x["estimate_step_seconds"] > 0 and x["mbu"] > 0
+    assert x["measured_over_estimate"] == pytest.approx(x["step_seconds"]
+                                                        / x["estimate_step_seconds"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -157,3 +158,20 @@ def test_grouped_matmul_builds(target, quantized):
       scale = spec((8, n), jnp.float32) if quantized else None
       build(lambda x, w, gs, s: grouped_matmul(x, w, gs, s, backend="pallas_tpu"),
             spec((m, k), jnp.bfloat16), rhs, spec((8,)), scale)
+
+
+def test_a_refusal_comes_out_as_one_line():
+  """A kernel whose blocks overflow VMEM (three 256 MiB windows on a 128 MiB v6e core): the
+  compiler's multi-line refusal comes out as one line that keeps its cause."""
+  from jax.experimental import pallas as pl
+  from jinfer.engine.compile_only import short_error
+  spec = on(devices("v6e-1")[0])
+  block = pl.BlockSpec((8192, 8192), lambda i: (0, 0))
+  f = pl.pallas_call(lambda x, y, o: o.__setitem__(..., x[...] + y[...]),
+                     out_shape=jax.ShapeDtypeStruct((8192, 8192), jnp.float32), grid=(1,),
+                     in_specs=[block, block], out_specs=block)
+  with pytest.raises(Exception) as refused:
+    build(f, spec((8192, 8192), jnp.float32), spec((8192, 8192), jnp.float32))
+  line = short_error(refused.value)
+  assert "\n" not in line and len(line) <= 300
+  assert "RESOURCE_EXHAUSTED" in line and "vmem" in line.lower(), line

@@ -68,16 +68,16 @@ class StepBuild:
 
 
 def short_error(e: BaseException, limit: int = 300) -> str:
-  """A compiler's exception as one line: its last informative line (the cause, where XLA and
-  Mosaic put a traceback of their own before it), at most `limit` characters."""
-  text = f"{type(e).__name__}: {e}"
-  lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-  keep = [ln for ln in lines if not ln.startswith(("File ", "at ", "Traceback", "---", "^"))]
-  cause = next((ln for ln in keep if re.search(r"(?i)error|oom|exceed|unsupported|not|invalid|"
-                                               r"failed|cannot|must", ln)), keep[0] if keep else text)
-  if cause != lines[0] and len(lines[0]) < 120:
-    cause = f"{lines[0]} ... {cause}"
-  return cause if len(cause) <= limit else cause[:limit - 3] + "..."
+  """A compiler's exception as one line of at most `limit` characters: its first paragraph
+  without the parts XLA:TPU wraps around the cause (the HLO instruction being allocated, the
+  compilation result proto, advice on filing a bug), whitespace collapsed."""
+  text = str(e).split(" [type.googleapis.com")[0].split("\n\n")[0]
+  text = text.split(" It should not be possible")[0]
+  text = re.sub(r" while allocating on stack for %.*?stack_frame_id=\d+\}\.", ".", text, flags=re.S)
+  text = re.sub(r" :: #\S+ \[shape = '[^']*', space=(\w+),.*?The window shape is (\S+?\]),.*",
+                r" (space=\1, window \2)", text, flags=re.S)
+  line = f"{type(e).__name__}: {' '.join(text.split())}"
+  return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def compile_lowered(lowered):
