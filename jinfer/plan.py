@@ -156,6 +156,7 @@ class Plan:
             "kv_pool_pages": e.kv_spec.num_pages, "page_bytes": e.page_bytes,
             "max_step_temp": self.max_temp_bytes, "peak": self.peak_bytes,
             "usable": self.usable_bytes, "hbm": t.hbm_bytes, "fits": self.fits,
+            "over_by": max(0, self.peak_bytes - self.usable_bytes),
             "source": "the compiler's memory analysis of each step"},
         "capacity": {"max_num_pages": self.max_num_pages,
                      "max_sequences_at_max_model_len":
@@ -185,8 +186,10 @@ class Plan:
              f"({e.kv_spec.num_pages} pages of {e.page_bytes / 2**20:.2f} MiB), largest step "
              f"temporaries {_gib(self.max_temp_bytes)}; " + (
                  f"peak {_gib(self.peak_bytes)} of {_gib(self.usable_bytes)} usable "
-                 f"({self.gpu_memory_utilization:.0%}): " + ("FITS" if self.fits else
-                                                              "DOES NOT FIT")
+                 f"({self.gpu_memory_utilization:.0%}): " + (
+                     "FITS" if self.fits else "DOES NOT FIT" + (
+                         f" (over by {_gib(self.peak_bytes - self.usable_bytes)})"
+                         if self.peak_bytes > self.usable_bytes else ""))
                  if any(s.built for s in self.steps) else "no step built, so no peak"),
              f"  room for {self.max_num_pages} pages: "
              f"{self.sequences_at(self.max_num_pages, c.model.max_model_len)} sequences of "

@@ -18,10 +18,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.compile_only]
 
 
 def test_llama_8b_bf16_fits_v6e_1():
-  """Full depth and vocabulary: decode and the largest prefill step with the default pool fit
-  one v6e's 32 GiB, and a step's temporaries are a small fraction of it (a relayout of the
-  cache once made the 64-token step need 47 GB)."""
-  p = _plan("llama-3.1-8b", "v6e-1", [1, 512])
+  """Full depth and vocabulary: the largest step with the default pool fits one v6e's 32 GiB,
+  its temporaries a small fraction of it (a relayout of the cache once made the 64-token step
+  need 47 GB). Decode builds on v5e-1 and v6e-8 below."""
+  p = _plan("llama-3.1-8b", "v6e-1", [512])
   built(p)
   assert p.fits, p.report()
   assert p.max_temp_bytes < 1 << 30, p.report()
@@ -48,13 +48,12 @@ def test_llama_8b_bf16_h100():
   assert p.fits, p.report()
 
 
-@pytest.mark.parametrize("target", ["v6e-1", "h100"])
-def test_plan_cli_json(target, capsys):
+def test_plan_cli_json(capsys):
   """`jinfer plan ... --json` prints the plan: every figure with its source, estimates labelled
-  as estimates, a shipped config and one bucket."""
+  as estimates, a shipped config and one bucket (on the GPU, whose compiler is the quicker)."""
   from jinfer.cli import main
-  devices(target)
-  main(["plan", "--model", "qwen3-8b", "--target", target, "--buckets", "1", "--json"])
+  devices("h100")
+  main(["plan", "--model", "qwen3-8b", "--target", "h100", "--buckets", "1", "--json"])
   out = json.loads(capsys.readouterr().out)
   assert out["steps"][0]["built"] and out["memory_per_device"]["fits"]
   assert {d["kind"] for d in out["decode"]} == {"estimate"}
