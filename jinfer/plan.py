@@ -116,7 +116,7 @@ class Plan:
       out.append(f"{what} {self.gpu_memory_utilization:.0%} of {_gib(self.target.hbm_bytes)} "
                  f"per device")
       q = c.model.quantization
-      if q in (None,):
+      if q is None:
         out.append("--quantization int8 (about half the weight bytes) or int4 (about a "
                    "quarter)")
       elif q in ("int8", "w8a8"):
@@ -124,8 +124,10 @@ class Plan:
       tp, n = c.parallel.tensor_parallel_size, self.target.num_devices
       more = [s for s in valid_tensor_parallel_sizes(e.model_config, n) if s > tp
               and s * c.parallel.context_parallel_size <= n]
-      if more:
-        out.append(f"--tensor-parallel-size {more[0]} (valid on {self.target.name}: "
+      # The smallest that leaves the weights (split evenly) a fifth of the room for the rest.
+      enough = [s for s in more if e.weight_bytes * tp / s < 0.8 * self.usable_bytes]
+      if enough:
+        out.append(f"--tensor-parallel-size {enough[0]} (valid on {self.target.name}: "
                    f"{', '.join(map(str, more))})")
       if c.cache.kv_cache_dtype == "auto":
         out.append("--kv-cache-dtype int8 (about half the KV bytes)")

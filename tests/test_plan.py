@@ -75,3 +75,20 @@ def test_compiler_errors_come_out_as_one_line():
 def _config(name):
   from jinfer.loader import load_model
   return load_model(name, config_only=True)[0]
+
+
+def test_advice_for_weights_that_do_not_fit():
+  """Llama-3.1-70B in bf16 (131 GiB of weights) with the compiler's refusal: on one v6e the
+  weights alone exceed it, so quantize; on a v6e-8 at TP 1, TP 8 is the first that leaves room
+  (2 and 4 do not)."""
+  from jinfer.engine.compile_only import StepBuild
+  from jinfer.plan import Plan
+  refused = [StepBuild(1, False, False, seconds=1.0, error="JaxRuntimeError: RESOURCE_EXHAUSTED: "
+                       "Ran out of memory on HBM, ...")]
+  engine = AbstractEngine(_config("llama-3.1-70b"), EngineConfig(), jax.devices(), "tpu")
+  for name, want in (("v6e-1", "--quantization int8"), ("v6e-8", "--tensor-parallel-size 8")):
+    p = Plan("llama-3.1-70b", targets.target(name), engine, refused, 0.9, 1024)
+    assert not p.fits
+    advice = p.advice()
+    assert advice[0].startswith("the weights alone (131.") and "exceed 90% of 32.00 GiB" in advice[0]
+    assert any(a.startswith(want) for a in advice), advice
