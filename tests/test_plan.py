@@ -43,7 +43,8 @@ def test_tensor_parallel_size_that_does_not_divide_names_the_valid(tiny_model):
 
 
 def test_more_devices_than_the_target_has():
-  with pytest.raises(ParameterError, match="the target has 8"):
+  with pytest.raises(ParameterError, match=r"the target has 8 \(valid tensor_parallel_size "
+                                           r"here: 1, 2, 4, 8\)"):
     AbstractEngine(_config("llama-3.1-70b"), EngineConfig.of(tensor_parallel_size=16),
                    jax.devices(), "cpu")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 import time
 
@@ -32,7 +33,8 @@ from jinfer.engine.step_input import empty_step_input, to_step_input
 from jinfer.errors import ParameterError
 from jinfer.models import CausalLM, linear_kernels, logical_axes, param_shapes
 from jinfer.parallel.mesh import make_mesh
-from jinfer.parallel.sharding import abstract, check_tensor_parallel, duplicate_kv_heads, shard_params
+from jinfer.parallel.sharding import (abstract, check_tensor_parallel, duplicate_kv_heads,
+                                     shard_params, valid_tensor_parallel_sizes)
 
 # Collective ops in optimized HLO, counted per step (their `-start` halves for async ones).
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -128,9 +130,12 @@ class AbstractEngine:
     par = c.parallel
     devices = list(devices)
     if par.devices_per_engine > len(devices):
+      sizes = valid_tensor_parallel_sizes(model_config, len(devices) //
+                                          par.context_parallel_size)
       raise ParameterError("tensor_parallel_size", f"tensor_parallel_size x "
                            f"context_parallel_size = {par.devices_per_engine} devices; the "
-                           f"target has {len(devices)}")
+                           f"target has {len(devices)} (valid tensor_parallel_size here: "
+                           f"{', '.join(map(str, sizes))})")
     mesh = None
     if par.is_parallel:
       check_tensor_parallel(model_config, par.tensor_parallel_size, par.enable_expert_parallel)
@@ -212,7 +217,7 @@ class AbstractEngine:
   @property
   def weight_elements(self) -> int:
     """Values of the params per device (a quantized weight's scales counted too: few)."""
-    return sum(_prod(a.sharding.shard_shape(a.shape)) for a in jax.tree.leaves(self.params))
+    return sum(math.prod(a.sharding.shard_shape(a.shape)) for a in jax.tree.leaves(self.params))
 
   @property
   def kv_cache_bytes(self) -> int:
@@ -230,12 +235,5 @@ def _bytes_per_device(tree) -> int:
   total = 0
   for a in jax.tree.leaves(tree):
     shard = a.sharding.shard_shape(a.shape)
-    total += int(jnp.dtype(a.dtype).itemsize * _prod(shard))
+    total += int(jnp.dtype(a.dtype).itemsize * math.prod(shard))
   return total
-
-
-def _prod(shape) -> int:
-  n = 1
-  for s in shape:
-    n *= s
-  return n
