@@ -155,7 +155,8 @@ def test_on_device_script_puts_the_estimate_beside_the_measurement(tiny_model_di
   for each quantization and batch."""
   r = _run_module("jinfer.bench.on_device",
                   ["--model", tiny_model_dir, "--quantization", "none,int8", "--batches", "1,2",
-                   "--context-len", "8", "--output-len", "4", "--target", "h100"], capsys)
+                   "--context-len", "8", "--output-len", "4", "--target", "h100",
+                   "--max-num-batched-tokens", "4"], capsys)
   runs = {(x["quantization"], x["batch"]): x for x in r["runs"]}
   assert set(runs) == {(q, b) for q in (None, "int8") for b in (1, 2)}
   assert runs["int8", 1]["weight_bytes"] < runs[None, 1]["weight_bytes"]

@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
   ap.add_argument("--batches", default="1,8,64")
   ap.add_argument("--context-len", type=int, default=1024)
   ap.add_argument("--output-len", type=int, default=32)
+  ap.add_argument("--max-num-batched-tokens", type=int, default=512,
+                  help="the engine's token budget: its largest step bucket")
   ap.add_argument("--target", default=None, choices=list(TARGETS),
                   help="whose published figures the estimate and MBU use (default: by device)")
   ap.add_argument("--out", default=None)
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     max_len = args.context_len + args.output_len + 1
     # Room for the largest batch at full length: a preemption would time recomputation.
     ec = EngineConfig.of(max_model_len=max_len, max_num_seqs=max(batches), quantization=q,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
                          num_pages=1 + max(batches) * -(-max_len // 16), page_size=16,
                          compile_in_background=False)
     t0 = time.monotonic()
