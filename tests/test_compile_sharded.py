@@ -3,27 +3,12 @@ eight H100s, built by the real compilers through `jinfer.plan` (see test_compile
 depth and what is shallow)."""
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from jinfer.engine.compile_only import COLLECTIVES, compile_lowered
+from jinfer.engine.compile_only import collectives, compile_lowered
 from tests.compile_targets import built, plan_for as _plan, shallow as _shallow
 
 pytestmark = [pytest.mark.slow, pytest.mark.compile_only]
-
-
-def _collectives_by_size(text: str) -> list[tuple[str, int]]:
-  """(collective, result bytes) for every collective in optimized HLO text."""
-  sizes = {"bf16": 2, "f32": 4, "s32": 4, "s8": 1, "u8": 1, "pred": 1, "u32": 4, "f16": 2}
-  out = []
-  for m in re.finditer(r"= \(?(\w+)\[([\d,]*)\][^ ]* (" + "|".join(COLLECTIVES) + r")(-start)?\(",
-                       text):
-    n = 1
-    for d in filter(None, m.group(2).split(",")):
-      n *= int(d)
-    out.append((m.group(3), n * sizes.get(m.group(1), 4)))
-  return out
 
 
 def test_llama_70b_int8_tp8_v6e_8():
@@ -47,7 +32,7 @@ def test_mixtral_expert_parallel_v6e_8(tmp_path):
   built(p)
   for s in p.steps:
     text = compile_lowered(p.engine.lower((s.tokens, False, False))).as_text()
-    largest = max(b for _, b in _collectives_by_size(text))
+    largest = max(b for _, b in collectives(text))
     assert largest < 4096 * 14336 * 2, (s.tokens, largest)
 
 

@@ -36,9 +36,11 @@ from jinfer.parallel.mesh import make_mesh
 from jinfer.parallel.sharding import (abstract, check_tensor_parallel, duplicate_kv_heads,
                                      shard_params, valid_tensor_parallel_sizes)
 
-# Collective ops in optimized HLO, counted per step (their `-start` halves for async ones).
+# Collective ops in optimized HLO (their `-start` halves for async ones), with the first shape
+# of their result.
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_COLLECTIVE = re.compile(r"= [^=]*? (" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_COLLECTIVE = re.compile(r"= \(?(\w+)\[([\d,]*)\][^=]*? (" + "|".join(COLLECTIVES)
+                         + r")(-start)?\(")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +86,9 @@ def short_error(e: BaseException, limit: int = 300) -> str:
 
 def compile_lowered(lowered):
   """`lowered.compile()` past JAX's persistent compilation cache, which cannot load an
-  executable for compile-only devices (it warns, and would keep writing ones it cannot read)."""
+  executable for compile-only devices. JAX decides once per process whether the cache is in use:
+  where a compile used it before (the test suite turns it on at start) it still looks, warns that
+  it cannot read the entry, and compiles anyway."""
   on = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   try:
@@ -93,8 +97,19 @@ def compile_lowered(lowered):
     jax.config.update("jax_enable_compilation_cache", on)
 
 
+def collectives(hlo_text: str) -> list[tuple[str, int]]:
+  """(op, bytes of its result) for every collective in optimized HLO text."""
+  out = []
+  for m in _COLLECTIVE.finditer(hlo_text):
+    dtype, dims, op = m.group(1), m.group(2), m.group(3)
+    bits = re.match(r"[a-z]+?(\d+)", dtype)  # bf16, f32, s8, f8e4m3fn ...; pred: a byte
+    size = int(bits.group(1)) // 8 if bits else 1
+    out.append((op, size * math.prod(int(d) for d in dims.split(",") if d)))
+  return out
+
+
 def count_collectives(hlo_text: str) -> dict[str, int]:
-  return dict(collections.Counter(m.group(1) for m in _COLLECTIVE.finditer(hlo_text)))
+  return dict(collections.Counter(op for op, _ in collectives(hlo_text)))
 
 
 def _shape_only_quantization(quantization: str | None, options: dict) -> dict:
@@ -212,16 +227,16 @@ class AbstractEngine:
   # -- sizes, per device ----------------------------------------------------------------------
   @property
   def weight_bytes(self) -> int:
-    return _bytes_per_device(self.params)
+    return _per_device(self.params)
 
   @property
   def weight_elements(self) -> int:
     """Values of the params per device (a quantized weight's scales counted too: few)."""
-    return sum(math.prod(a.sharding.shard_shape(a.shape)) for a in jax.tree.leaves(self.params))
+    return _per_device(self.params, in_bytes=False)
 
   @property
   def kv_cache_bytes(self) -> int:
-    return _bytes_per_device(self.kv_cache)
+    return _per_device(self.kv_cache)
 
   @property
   def page_bytes(self) -> int:
@@ -229,11 +244,8 @@ class AbstractEngine:
     return self.kv_cache_bytes // (self.kv_spec.num_pages // self.config.parallel.context_parallel_size)
 
 
-def _bytes_per_device(tree) -> int:
-  """Bytes the first device holds of `tree`'s abstract arrays (every device holds as much: the
-  sharding rules split evenly or replicate)."""
-  total = 0
-  for a in jax.tree.leaves(tree):
-    shard = a.sharding.shard_shape(a.shape)
-    total += int(jnp.dtype(a.dtype).itemsize * math.prod(shard))
-  return total
+def _per_device(tree, in_bytes: bool = True) -> int:
+  """Bytes (or values) the first device holds of `tree`'s abstract arrays (every device holds
+  as much: the sharding rules split evenly or replicate)."""
+  return sum(math.prod(a.sharding.shard_shape(a.shape))
+             * (jnp.dtype(a.dtype).itemsize if in_bytes else 1) for a in jax.tree.leaves(tree))
