@@ -325,22 +325,6 @@ def test_softmax_state_merges_split_context(merge_case_batch, backend):
                              atol=10 * tol, rtol=tol)
 
 
-@pytest.mark.slow  # the quick tier's ring attention test runs the same path (a rank's pages)
-def test_xla_walks_only_the_pages_listed(merge_case_batch):
-  """Each part of a random split of the pages, listed first with their positions
-  (`context_pages`): the XLA path, walking those alone, gives the part's result exactly."""
-  case, b, _ = merge_case_batch
-  pages = b["page_indices"]
-  part = np.random.default_rng(7).random(pages.shape) < 0.5
-  kw = _backend_kw(case, "xla")
-  tol = 3e-2 if case.dtype == "bfloat16" else 1e-5
-  for table in (np.where(part, pages, -1), np.where(part, -1, pages)):
-    o, lse = run(case, b, "xla", page_indices=table, softmax_state=True, **kw)
-    o_c, lse_c = run(case, b, "xla", page_indices=table, softmax_state=True, compact=True, **kw)
-    np.testing.assert_allclose(o_c, o, atol=tol, rtol=tol)
-    np.testing.assert_allclose(lse_c, lse, atol=10 * tol, rtol=tol)
-
-
 RACE_CASES = [
     Case("race_mixed_gqa2", 4, 2, 64, 8, ((1, 11), (6, 6), (3, 14)), num_slots=4, num_tokens=16),
     Case("race_decode_window", 2, 1, 64, 8, ((1, 20), (1, 3), (1, 9)), num_slots=4, num_tokens=8,

@@ -14,7 +14,7 @@ On one device it is `write_kv` then `ragged_paged_attention`. On a mesh it runs 
     its partial results merged exactly (`merge_attention`). The KV stays where it is: pages are
     far larger than a step's queries. A rank's attention walks its own pages only (listed with
     their positions, `AttentionMetadata.context_pages`), so CP ranks divide the context's work
-    (the XLA backend; the Pallas kernels walk the whole table, skipping absent pages).
+    (every backend; tests/test_attention_reads.py counts the pages a Pallas kernel reads).
 A quantized cache (int8 / fp8 values and their scales) is split the same way, each scale on the
 rank and tensor shard of its values; every rank quantizes the rows it writes.
 """

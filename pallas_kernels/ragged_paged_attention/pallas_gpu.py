@@ -16,8 +16,11 @@ due to be removed later); when it goes, this kernel needs a Mosaic GPU rewrite.
 Grid: (work item, KV head). A work item is up to `block_rows // G` query tokens of one sequence
 (`schedule.seq_q_blocks`), so decode steps get one program per (sequence, KV head) and prefill
 chunks several. Each program loads its `[R, D]` query group (rows t*G+g, R a power of two >= 16,
-the smallest MMA), loops over blocks of pages up to its last query's position (from the sliding
-window's start when there is one), and keeps the f32 online-softmax state in registers.
+the smallest MMA), loops over blocks of pages and keeps the f32 online-softmax state in
+registers. The pages it reads run from the one holding its earliest row's window start to the one
+holding its last row's key (`schedule.item_entries`), in block-table order, or with
+`md.context_pages` down that list, so a context-parallel rank reads its own pages alone and a
+decode row of a sliding-window layer at most window / page_size + 1 pages.
 
 The cache holds every layer in one array; the kernel views it as rows
 `[L*num_pages*2*Hkv*page_size, D]` (a free reshape) and offsets its row indices by the layer's
@@ -57,8 +60,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention_metadata import AttentionMetadata
 from pallas_kernels.kv_cache_layout import KVCache, split_cache
-from pallas_kernels.ragged_paged_attention.schedule import (sanitize_cu_q_lens, seq_q_blocks,
-                                                            tree_rows, window_operand)
+from pallas_kernels.ragged_paged_attention.schedule import (item_entries, sanitize_cu_q_lens,
+                                                            seq_q_blocks, tree_rows,
+                                                            window_operand)
 
 _NEG_INF = -1e30
 
@@ -66,13 +70,16 @@ _NEG_INF = -1e30
 def _kernel(
     item_seq_ref,  # [NB] sequence of each work item, -1 for unused items
     item_tok_ref,  # [NB] first flat token of each work item
+    item_lo_ref,  # [NB] first entry of the walked list the item reads
+    item_hi_ref,  # [NB] end entry of it
     kv_lens_ref,  # [S]
-    page_indices_ref,  # [S*P]
+    page_indices_ref,  # [S*P]: the walked list (block table, or listed pages)
+    page_pos_ref,  # [S*P]: listed pages' indices in their sequence ([1], unread, if not listed)
     cu_q_lens_ref,  # [S+1]
     scalars_ref,  # [2]: layer, sliding window (see `schedule.window_operand`)
     q_ref,  # [Hkv, (T+pad)*G, D]
     kv_ref,  # [L*num_pages*2*Hkv*page_size, D]: the cache (its values) viewed as rows
-    *refs,  # [scales_ref], [tree_ref], o_in_ref, [lse_in_ref], o_ref, [lse_ref]
+    *refs,  # [scales_ref], [tree_ref], o_in, [lse_in], [pages_in], o_ref, [lse_ref], [pages_ref]
     block_q: int,
     rows: int,
     group: int,
@@ -90,13 +97,17 @@ def _kernel(
     k_scale: float | None,
     v_scale: float | None,
     quantized: bool,
+    listed: bool,
+    count_pages: bool,
 ):
-  # Outputs are aliased with their initial values (o 0, lse -inf): rows no program owns keep them.
+  # Outputs are aliased with their initial values (o 0, lse -inf, pages 0): rows no program owns
+  # keep them.
   refs = list(refs)
   scales_ref = refs.pop(0) if quantized else None  # [L*num_pages*2*Hkv*page_size] f32
   tree_ref = refs.pop(0) if tree_words else None  # [NW+1, (T+pad)*G]: tree words, then lag
-  o_ref = refs[-2] if return_lse else refs[-1]  # [Hkv, (T+pad)*G, D]
-  lse_ref = refs[-1] if return_lse else None  # [Hkv, (T+pad)*G] f32
+  pages_ref = refs.pop() if count_pages else None  # [Hkv, (T+pad)*G] int32
+  lse_ref = refs.pop() if return_lse else None  # [Hkv, (T+pad)*G] f32
+  o_ref = refs.pop()  # [Hkv, (T+pad)*G, D]
   b, h = pl.program_id(0), pl.program_id(1)
   seq = item_seq_ref[b]
   bk = pages_per_block * page_size
@@ -117,33 +128,33 @@ def _kernel(
     q = q_ref[h, rows_at, :]  # [R, D]
     words = [tree_ref[w, rows_at] for w in range(tree_words)]  # [R] each
 
-    kb_end = (qpos0 + n_tok + bk - 1) // bk
-    kb_start = 0
     if windowed:
       window = scalars_ref[1]
-      first_pos = qpos0
       wpos = qpos  # [R]: position of each row for the window
       if tree_words:
-        # A tree row's window position is the context length plus its depth, at least the former.
-        first_pos = jnp.where(q_end - q_start <= verify_width, ctx, qpos0)
         wpos -= tree_ref[tree_words, rows_at]  # lag
-      kb_start = jnp.maximum(first_pos - window + 1, 0) // bk
       win_lo = wpos - window  # [R]: keys at or before this are out of the window
     kcol = jnp.arange(bk, dtype=jnp.int32)
     # The layer's first row; the row count fits int32 (checked by the wrapper).
     layer_row = scalars_ref[0] * (num_pages * 2 * num_kv_heads * page_size)
+    lo, hi = item_lo_ref[b], item_hi_ref[b]
 
     def body(kb, carry):
-      acc, m_prev, l_prev = carry
-      kpos = kb * bk + kcol  # [BK]
-      slot = jnp.minimum(lax.div(kpos, page_size), pages_per_seq - 1)
-      page = page_indices_ref[seq * pages_per_seq + slot]  # [BK]
-      # Keys past kv_len (their page-table entries may be anything) and keys of absent pages are
-      # not loaded: masked loads give 0 there, so NaN never meets the accumulator. Their rows
-      # still point into the sink page, in bounds, as the interpreter gathers before it masks.
-      k_read = (kpos < kv_len) & (page >= 0)  # [BK]
+      acc, m_prev, l_prev, n_read = carry
+      entry = lo + kb * pages_per_block + lax.div(kcol, page_size)  # [BK]
+      at = seq * pages_per_seq + jnp.minimum(entry, pages_per_seq - 1)
+      page = page_indices_ref[at]  # [BK]
+      pos = page_pos_ref[at] if listed else entry  # [BK] page index in the sequence
+      kpos = pos * page_size + lax.rem(kcol, page_size)  # [BK]
+      # Keys outside the walk or past kv_len (their page-table entries may be anything) and keys
+      # of absent pages are not loaded: masked loads give 0 there, so NaN never meets the
+      # accumulator. Their rows still point into the sink page, in bounds, as the interpreter
+      # gathers before it masks.
+      k_read = (entry < hi) & (kpos < kv_len) & (page >= 0)  # [BK]
+      if count_pages:  # a page is read iff its first key is
+        n_read += jnp.sum((k_read & (lax.rem(kcol, page_size) == 0)).astype(jnp.int32))
       krow = layer_row + (jnp.where(k_read, page, 0) * 2 * num_kv_heads + h) * page_size
-      krow += lax.rem(kpos, page_size)
+      krow += lax.rem(kcol, page_size)
       load_mask = jnp.broadcast_to(k_read[:, None], (bk, d))
       dcol = jnp.arange(d, dtype=jnp.int32)[None, :]
       k = plgpu.load(kv_ref.at[krow[:, None], dcol], mask=load_mask,
@@ -178,11 +189,12 @@ def _kernel(
         p = p * vs[None, :]
       pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                            preferred_element_type=jnp.float32)  # [R, D]
-      return alpha[:, None] * acc + pv, m_next, l_next
+      return alpha[:, None] * acc + pv, m_next, l_next, n_read
 
     init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG_INF, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(kb_start, kb_end, body, init)
+            jnp.zeros((rows,), jnp.float32), jnp.int32(0))
+    acc, m, l, n_read = lax.fori_loop(0, lax.div(hi - lo + pages_per_block - 1, pages_per_block),
+                                      body, init)
     seen_any = l > 0.0  # [R]; rows whose every key was absent or masked come out 0, lse -inf
     l_safe = jnp.where(seen_any, l, 1.0)
     out = acc / l_safe[:, None]
@@ -194,6 +206,8 @@ def _kernel(
     if return_lse:
       plgpu.store(lse_ref.at[h, rows_at], jnp.where(seen_any, m + jnp.log(l_safe), -jnp.inf),
                   mask=row_live)
+    if count_pages:
+      plgpu.store(pages_ref.at[h, rows_at], jnp.full((rows,), n_read, jnp.int32), mask=row_live)
 
 
 # Keys per KV block: with head_dim 128 in bf16, K and V of 128 keys and their double buffer fit
@@ -217,20 +231,30 @@ def ragged_paged_attention_gpu(
     pages_per_block: int = 8,
     num_warps: int = 4,
     num_stages: int = 2,
+    count_pages: bool = False,
     interpret: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:  # [T, Hq, D] (, lse [T, Hq] float32)
+) -> jax.Array | tuple[jax.Array, ...]:  # [T, Hq, D] (, lse [T, Hq] float32) (, pages [T])
   """Same contract as the reference.
 
   block_rows: query rows (tokens x G) per program; tokens per program = max(1, block_rows // G),
     capped by `md.max_q_len`. head_dim, page_size and pages_per_block must be powers of two with
     head_dim >= 16 and pages_per_block * page_size >= 16 (Triton block shapes, smallest MMA);
     pages_per_block is capped at MAX_BLOCK_KEYS // page_size (shared memory).
+  count_pages: also return, per query token, how many pages its program read (a debug output:
+    what the walk reads, for tests and the docs' figures).
   """
   t, hq, d = q.shape
   values, scales = split_cache(kv_cache)
   quantized = scales is not None
   num_layers, num_pages, _, hkv, page_size, _ = values.shape
   s, p = md.block_table.shape
+  max_len = p * page_size  # bounds every position
+  listed = md.context_pages is not None
+  if listed:  # the walk goes down the listed pages: [S, P'] each
+    pages, page_pos = md.context_pages.astype(jnp.int32), md.context_page_pos.astype(jnp.int32)
+    p = pages.shape[1]
+  else:
+    pages, page_pos = md.block_table.astype(jnp.int32), None
   g = hq // hkv
   # Checked in interpret mode too, so CPU tests catch a model or cache the GPU could not run.
   if d < 16 or d & (d - 1):
@@ -252,16 +276,21 @@ def ragged_paged_attention_gpu(
 
   cu = sanitize_cu_q_lens(md.cu_q_lens.astype(jnp.int32), md.num_seqs)
   item_seq, item_tok = seq_q_blocks(cu, block_q, num_items)
+  window = None if sliding_window is None else window_operand(sliding_window, max_len)
+  item_lo, item_hi = item_entries(
+      item_seq, item_tok, cu, md.kv_lens.astype(jnp.int32), page_pos, block_q=block_q,
+      page_size=page_size, window=window,
+      tree_width=None if md.tree_mask is None else md.verify_width)
   scalars = jnp.stack([jnp.asarray(layer, jnp.int32),
-                       window_operand(sliding_window, p * page_size)])
+                       jnp.int32(0) if window is None else window])
   # Rows t*G+g, plus `rows` spare ones so every [R] slice is in bounds.
   t_pad = t + pl.cdiv(rows, g)
   # [T, Hq, D] -> [Hkv, T_pad*G, D]: a KV head's query group becomes contiguous rows.
   qr = jnp.pad(q, ((0, t_pad - t), (0, 0), (0, 0)))
   qr = qr.reshape(t_pad, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, t_pad * g, d)
-  inputs = [item_seq, item_tok, md.kv_lens.astype(jnp.int32),
-            md.block_table.astype(jnp.int32).reshape(-1), cu, scalars, qr,
-            values.reshape(num_rows, d)]
+  inputs = [item_seq, item_tok, item_lo, item_hi, md.kv_lens.astype(jnp.int32),
+            pages.reshape(-1), jnp.zeros((1,), jnp.int32) if page_pos is None else
+            page_pos.reshape(-1), cu, scalars, qr, values.reshape(num_rows, d)]
   if quantized:
     inputs.append(scales.reshape(num_rows))
   tree_words = 0
@@ -275,6 +304,9 @@ def ragged_paged_attention_gpu(
   if return_softmax_state:
     out_shape.append(jax.ShapeDtypeStruct((hkv, t_pad * g), jnp.float32))
     inputs.append(jnp.full((hkv, t_pad * g), -jnp.inf, jnp.float32))
+  if count_pages:
+    out_shape.append(jax.ShapeDtypeStruct((hkv, t_pad * g), jnp.int32))
+    inputs.append(jnp.zeros((hkv, t_pad * g), jnp.int32))
   n_out = len(out_shape)
 
   kernel = functools.partial(
@@ -282,7 +314,7 @@ def ragged_paged_attention_gpu(
       page_size=page_size, pages_per_block=ppb, pages_per_seq=p, verify_width=md.verify_width,
       tree_words=tree_words, windowed=sliding_window is not None,
       return_lse=return_softmax_state, sm_scale=sm_scale, soft_cap=soft_cap, k_scale=k_scale,
-      v_scale=v_scale, quantized=quantized)
+      v_scale=v_scale, quantized=quantized, listed=listed, count_pages=count_pages)
   res = pl.pallas_call(
       kernel,
       grid=(num_items, hkv),
@@ -292,8 +324,10 @@ def ragged_paged_attention_gpu(
       interpret=interpret,
       name="ragged_paged_attention",
   )(*inputs)
-  out = res[0].reshape(hkv, t_pad, g, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)[:t]
-  if not return_softmax_state:
-    return out
-  lse = res[1].reshape(hkv, t_pad, g).transpose(1, 0, 2).reshape(t_pad, hq)[:t]
-  return out, lse
+  res = list(res)
+  out = [res.pop(0).reshape(hkv, t_pad, g, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)[:t]]
+  if return_softmax_state:
+    out.append(res.pop(0).reshape(hkv, t_pad, g).transpose(1, 0, 2).reshape(t_pad, hq)[:t])
+  if count_pages:
+    out.append(res.pop(0)[0, ::g][:t])  # every head and row of a token reads the same pages
+  return out[0] if len(out) == 1 else tuple(out)

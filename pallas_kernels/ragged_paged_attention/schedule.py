@@ -99,3 +99,37 @@ def tree_rows(
                   dtype=jnp.uint32)  # [T, NW]; the bits are disjoint, so the sum is their OR
   words = jnp.where(tree[:, None], lax.bitcast_convert_type(words, jnp.int32), -1)
   return words, jnp.where(tree, idx - depth, 0)
+
+
+def item_entries(
+    item_seq: jax.Array,  # [NB] from `seq_q_blocks`, -1 for unused items
+    item_tok: jax.Array,  # [NB]
+    cu_q_lens: jax.Array,  # [S+1] sanitized
+    kv_lens: jax.Array,  # [S]
+    page_pos: jax.Array | None,  # [S, P'] listed pages' indices in their sequence, -1 pads
+    *,
+    block_q: int,
+    page_size: int,
+    window: jax.Array | None,  # [] from `window_operand`, None without a window
+    tree_width: int | None,  # verify_width when a tree mask is given
+) -> tuple[jax.Array, jax.Array]:  # ([NB], [NB]) int32
+  """Half-open range of the walked list's entries (block-table columns, or the listed pages)
+  each work item reads: the pages from its earliest row's window start (a tree row's window
+  counts from the context length) to its last row's key. Unused items read none."""
+  seq = jnp.maximum(item_seq, 0)
+  q_start, q_end = cu_q_lens[seq], cu_q_lens[seq + 1]
+  ctx = kv_lens[seq] - (q_end - q_start)
+  qpos0 = ctx + item_tok - q_start
+  hi = (qpos0 + jnp.minimum(block_q, q_end - item_tok) + page_size - 1) // page_size
+  lo = jnp.zeros_like(hi)
+  if window is not None:
+    first_pos = qpos0
+    if tree_width is not None:
+      first_pos = jnp.where(q_end - q_start <= tree_width, ctx, qpos0)
+    lo = jnp.maximum(first_pos - window + 1, 0) // page_size
+  if page_pos is not None:  # entries before a page index: the listed pages below it
+    rows = page_pos[seq]  # [NB, P']
+    below = lambda page: jnp.sum((rows >= 0) & (rows < page[:, None]), axis=1, dtype=jnp.int32)
+    lo, hi = below(lo), below(hi)
+  live = item_seq >= 0
+  return jnp.where(live, lo, 0).astype(jnp.int32), jnp.where(live, hi, 0).astype(jnp.int32)
