@@ -166,7 +166,7 @@ class Plan:
         "steps": [{"tokens": s.tokens, "variant": _variant(s), "built": s.built,
                    "error": s.error, "compile_seconds": round(s.seconds, 2),
                    "temp_bytes": s.temp_bytes, "peak_bytes": s.peak_bytes,
-                   "collectives": s.collectives,
+                   "collectives": s.collectives, "relayout_bytes": s.copy_bytes,
                    "compiler_cost": s.cost} for s in self.steps],
         "decode": self.decode_estimates(),
         "advice": self.advice(),
@@ -202,6 +202,7 @@ class Plan:
       if s.built:
         coll = ", ".join(f"{n} {k}" for k, n in sorted(s.collectives.items()))
         lines.append(f"{head} built in {s.seconds:5.1f} s, temp {s.temp_bytes / 2**20:9.1f} MiB"
+                     + (f", relayouts {s.copy_bytes / 2**20:.0f} MiB" if s.copy_bytes else "")
                      + (f", collectives: {coll}" if coll else ""))
       else:
         lines.append(f"{head} REFUSED: {s.error}")

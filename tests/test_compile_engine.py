@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.compile_targets import built, devices, plan_for as _plan
+from tests.compile_targets import built, devices, plan_for as _plan, shallow as _shallow
 
 pytestmark = [pytest.mark.slow, pytest.mark.compile_only]
 
@@ -38,6 +38,20 @@ def test_llama_8b_int8_v5e_1_default_pool_does_not_fit_and_the_advice_does():
   ok = _plan("llama-3.1-8b", "v5e-1", [1], quantization="int8", num_pages=pages)
   built(ok)
   assert ok.fits, ok.report()
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_quantized_kv_decode_reads_the_cache_in_place_v6e(tmp_path, kv):
+  """Llama-3.1-8B's heads, two layers, an int8 / fp8 cache at the TPU's page size for it (128):
+  the decode step relayouts nothing and its temporaries are a few tiles. At page 16 the
+  compiler laid the scales out pages-minor and every layer's attention copied all of them back
+  (132 MB of temporaries; `page_size_for` now refuses such pages on a TPU)."""
+  p = _plan(_shallow(tmp_path, "llama-3.1-8b", 2), "v6e-1", [1], kv_cache_dtype=kv,
+            num_pages=2048)
+  built(p)
+  assert p.engine.config.cache.page_size == 128
+  decode = p.steps[0]
+  assert decode.copy_bytes == 0 and decode.temp_bytes < 8 << 20, p.report()
 
 
 def test_llama_8b_bf16_h100():

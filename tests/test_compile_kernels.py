@@ -42,6 +42,7 @@ class Attn:
   heads: tuple[int, int] = (32, 8)
   lse: bool = False  # the softmax state, as ring attention asks for it
   num_pages: int = 2048
+  listed: bool = False  # a context rank's own pages listed (`context_pages`), walked alone
   gpu: bool = True  # the case applies to the GPU kernel too
   tpu: bool = True
 
@@ -55,11 +56,14 @@ CASES = [
     Attn("decode_int8", kv="int8"),
     Attn("mixed_int8", tokens=512, kv="int8"),
     Attn("decode_int8_page32", kv="int8", page_size=32),
-    Attn("decode_fp8", kv="fp8", tpu=False),  # the engine runs no fp8 KV on TPU
+    Attn("decode_fp8", kv="fp8"),
+    Attn("mixed_fp8_page32", tokens=512, kv="fp8", page_size=32),
     Attn("window", window=True),
     Attn("mixed_window_softcap", tokens=512, window=True, soft_cap=50.0),
     Attn("page128", page_size=128, num_pages=256),
     Attn("lse", tokens=512, lse=True),
+    Attn("decode_listed", lse=True, listed=True),  # a ring hop
+    Attn("mixed_window_listed_int8", tokens=512, window=True, listed=True, kv="int8", lse=True),
     # GQA per device: Llama-3.1-70B at TP 8, Qwen3-30B-A3B, Gemma-3-27B at TP 4, SmolLM2
     Attn("gqa_8_1", heads=(8, 1)),
     Attn("gqa_32_4", heads=(32, 4)),
@@ -79,13 +83,14 @@ def _attention(target: str, c: Attn, num_pages: int | None = None):
   values = spec(shape, KV_DTYPES[c.kv])
   cache = values if c.kv == "bf16" else (values, spec(shape[:-1], jnp.float32))
 
-  def fn(q, cache, slots, table, lens, cu, n, tree_mask, layer, window):
+  def fn(q, cache, slots, table, lens, cu, n, tree_mask, layer, window, pages, pos):
     from pallas_kernels import QuantizedKVCache
     if isinstance(cache, tuple):
       cache = QuantizedKVCache(*cache)
     md = AttentionMetadata(slot_mapping=slots, block_table=table, kv_lens=lens, cu_q_lens=cu,
                            num_seqs=n, tree_mask=tree_mask, verify_width=c.verify_width,
-                           max_q_len=c.tokens // c.seqs if c.tokens > c.seqs else 1)
+                           max_q_len=c.tokens // c.seqs if c.tokens > c.seqs else 1,
+                           context_pages=pages, context_page_pos=pos)
     return ragged_paged_attention(q, cache, md, layer=layer, sm_scale=d ** -0.5,
                                   sliding_window=window if c.window else None,
                                   soft_cap=c.soft_cap, return_softmax_state=c.lse,
@@ -94,7 +99,8 @@ def _attention(target: str, c: Attn, num_pages: int | None = None):
   t, s = c.tokens, c.seqs
   return build(fn, spec((t, hq, d), jnp.bfloat16), cache, spec((t,)),
                spec((s, pages_per_seq)), spec((s,)), spec((s + 1,)), spec((1,)),
-               spec((t, c.verify_width), jnp.bool_) if c.tree else None, spec(()), spec(()))
+               spec((t, c.verify_width), jnp.bool_) if c.tree else None, spec(()), spec(()),
+               *[spec((s, pages_per_seq)) if c.listed else None] * 2)
 
 
 @pytest.mark.parametrize("target,case", TARGET_CASES, ids=lambda x: getattr(x, "name", x))
@@ -107,7 +113,7 @@ def test_attention_builds(target, case):
 
 
 @pytest.mark.parametrize("target", [*TPUS, *GPUS])
-@pytest.mark.parametrize("kv", ["bf16", "int8"])
+@pytest.mark.parametrize("kv", ["bf16", "int8", "fp8"])
 def test_attention_temps_do_not_grow_with_the_cache(target, kv):
   """4x the pages, the same temporaries: nothing in the kernel or around it relayouts or copies
   the cache (the int8 TPU build once needed 262 MB of temps at decode)."""

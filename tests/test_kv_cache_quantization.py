@@ -244,8 +244,16 @@ def test_kv_cache_dtype_resolves():
   for name, dtype in (("auto", jnp.float32), ("int8", INT8), ("fp8", FP8)):
     spec = EngineConfig.of(kv_cache_dtype=name).resolve(config, platform="cpu").kv_spec(config)
     assert spec.dtype == dtype and spec.quantized == (name != "auto")
-  with pytest.raises(ParameterError, match="kv_cache_dtype.*TPU"):
-    EngineConfig.of(kv_cache_dtype="fp8").resolve(config, platform="tpu")
+  # A TPU's quantized cache takes 128-token pages (its scales then fill whole lane tiles), and
+  # refuses pages that would make every layer relayout them; other platforms keep 16.
+  for name in ("int8", "fp8"):
+    assert EngineConfig.of(kv_cache_dtype=name).resolve(config, platform="tpu").cache.page_size \
+        == 128
+    assert EngineConfig.of(kv_cache_dtype=name).resolve(config, platform="gpu").cache.page_size \
+        == 16
+    with pytest.raises(ParameterError, match="page_size a multiple of 128"):
+      EngineConfig.of(kv_cache_dtype=name, page_size=16).resolve(config, platform="tpu")
+  assert EngineConfig.of().resolve(config, platform="tpu").cache.page_size == 16
   with pytest.raises(ParameterError, match="kv_cache_dtype must be one of"):
     EngineConfig.of(kv_cache_dtype="int4")
 

@@ -41,6 +41,8 @@ from jinfer.parallel.sharding import (abstract, check_tensor_parallel, duplicate
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _COLLECTIVE = re.compile(r"= \(?(\w+)\[([\d,]*)\][^=]*? (" + "|".join(COLLECTIVES)
                          + r")(-start)?\(")
+# A plain copy changes an array's layout (memory-space moves are copy-start / copy-done pairs).
+_COPY = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} copy\(")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,7 @@ class StepBuild:
   temp_bytes: int = 0  # the step's own scratch: what it needs beyond params and cache
   code_bytes: int = 0
   collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+  copy_bytes: int = 0  # of the relayouts (plain copies) of arrays of 1 MiB or more, per step
   # The compiler's cost model ("flops", "bytes accessed", TPU's "optimal_seconds" ...): an
   # estimate, and Pallas kernels count nothing there unless they declare a cost.
   cost: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -97,15 +100,21 @@ def compile_lowered(lowered):
     jax.config.update("jax_enable_compilation_cache", on)
 
 
+def _bytes(dtype: str, dims: str) -> int:
+  bits = re.match(r"[a-z]+?(\d+)", dtype)  # bf16, f32, s8, f8e4m3fn ...; pred: a byte
+  return (int(bits.group(1)) // 8 if bits else 1) * math.prod(int(d) for d in dims.split(",") if d)
+
+
 def collectives(hlo_text: str) -> list[tuple[str, int]]:
   """(op, bytes of its result) for every collective in optimized HLO text."""
-  out = []
-  for m in _COLLECTIVE.finditer(hlo_text):
-    dtype, dims, op = m.group(1), m.group(2), m.group(3)
-    bits = re.match(r"[a-z]+?(\d+)", dtype)  # bf16, f32, s8, f8e4m3fn ...; pred: a byte
-    size = int(bits.group(1)) // 8 if bits else 1
-    out.append((op, size * math.prod(int(d) for d in dims.split(",") if d)))
-  return out
+  return [(m.group(3), _bytes(m.group(1), m.group(2))) for m in _COLLECTIVE.finditer(hlo_text)]
+
+
+def relayout_bytes(hlo_text: str, at_least: int = 1 << 20) -> int:
+  """Bytes of the plain copies of arrays of `at_least` bytes or more in optimized HLO text:
+  relayouts, which a step that reads its cache and weights in place has none of."""
+  sizes = (_bytes(m.group(1), m.group(2)) for m in _COPY.finditer(hlo_text))
+  return sum(b for b in sizes if b >= at_least)
 
 
 def count_collectives(hlo_text: str) -> dict[str, int]:
@@ -218,11 +227,12 @@ class AbstractEngine:
       cost = cost[0] if cost else {}
     keep = {k: float(v) for k, v in cost.items()
             if k in ("flops", "transcendentals", "bytes accessed", "optimal_seconds")}
+    text = compiled.as_text()
     return StepBuild(
         *shape, seconds=seconds, argument_bytes=m.argument_size_in_bytes,
         output_bytes=m.output_size_in_bytes, alias_bytes=m.alias_size_in_bytes,
         temp_bytes=m.temp_size_in_bytes, code_bytes=m.generated_code_size_in_bytes,
-        collectives=count_collectives(compiled.as_text()), cost=keep)
+        collectives=count_collectives(text), copy_bytes=relayout_bytes(text), cost=keep)
 
   # -- sizes, per device ----------------------------------------------------------------------
   @property

@@ -121,7 +121,8 @@ class DisaggregatedEngine(FrontEnd):
       max_len = min(config.model.max_model_len, model_config.max_position_embeddings)
       need = KVGroups.of(model_config, max_len,
                          hybrid=not config.cache.disable_hybrid_kv_cache_manager).page_need(
-          max_len, config.cache.page_size, config.scheduler.max_num_batched_tokens)
+          max_len, config.cache.page_size_for(jax.default_backend()),
+          config.scheduler.max_num_batched_tokens)
       if kvt.prefill_num_pages - 1 < need:
         raise _error(f"prefill_num_pages={kvt.prefill_num_pages} cannot hold one sequence of "
                      f"max_model_len={max_len} ({need} pages + the sink page)")

@@ -78,7 +78,7 @@ class ModelOptions:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheConfig:
-  page_size: int = 16  # tokens per KV-cache page
+  page_size: int | None = None  # tokens per KV-cache page; None: by platform (`page_size_for`)
   num_pages: int | None = None  # default: room for max_num_seqs sequences of half max_model_len
   enable_prefix_caching: bool = True  # reuse the KV pages of prompts' shared full pages
   # What the KV cache stores: "auto" (the model's dtype), "int8" (a scale per token and KV
@@ -90,11 +90,28 @@ class CacheConfig:
   disable_hybrid_kv_cache_manager: bool = False
 
   def __post_init__(self):
-    if self.page_size < 1:
+    if self.page_size is not None and self.page_size < 1:
       raise ParameterError("page_size", f"page_size must be >= 1, got {self.page_size}")
     if self.kv_cache_dtype not in KV_CACHE_DTYPES:
       raise ParameterError("kv_cache_dtype", f"kv_cache_dtype must be one of "
                            f"{', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+
+  def page_size_for(self, platform: str) -> int:
+    """`page_size`, or the platform's: 16 tokens (bf16's sublane tile on a TPU, the smallest
+    key block of the GPU kernel, the CPU's measured choice), and on a TPU 128 for an int8 or
+    fp8 cache. There a page's per-token scales, `[Hkv, page_size]` float32 at the end of the
+    scales array, fill whole 128-lane tiles only when page_size is a multiple of 128; below, the
+    TPU compiler lays the array out pages-minor and each layer's attention copies all of it back
+    (the compile-only tier measured Llama-3.1-8B's int8 step on a v6e: 132 MB of temporaries at
+    page 16, 2.9 MB at 128; docs/compile-only.md)."""
+    if platform == "tpu" and self.kv_cache_dtype != "auto":
+      if self.page_size is not None and self.page_size % 128:
+        raise ParameterError("page_size", f"kv_cache_dtype={self.kv_cache_dtype!r} on a TPU needs "
+                             f"page_size a multiple of 128, got {self.page_size}: the TPU "
+                             f"attention kernel reads the per-token scales in 128-lane tiles, "
+                             f"and smaller pages make every layer copy all of them")
+      return self.page_size or 128
+    return self.page_size or 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -212,12 +229,10 @@ class EngineConfig:
     platform decides filled in, every file named checked, `max_model_len` capped by the model's.
     """
     platform = platform or jax.default_backend()
-    if self.cache.kv_cache_dtype == "fp8" and platform == "tpu":
-      raise ParameterError("kv_cache_dtype", "kv_cache_dtype='fp8' runs on the CPU and GPU; the "
-                           "TPU attention kernel is not verified on float8 pages: use 'int8'")
     max_len = min(self.model.max_model_len, model.max_position_embeddings)
     config = dataclasses.replace(
         self, model=dataclasses.replace(self.model, max_model_len=max_len),
+        cache=dataclasses.replace(self.cache, page_size=self.cache.page_size_for(platform)),
         speculative=self.speculative and self.speculative.resolve(platform))
     defaults = PLATFORM_DEFAULTS.get(platform, CPU_DEFAULTS)
     k = config.kernels
