@@ -197,7 +197,8 @@ class AbstractEngine:
       one = self._replicated = SingleDeviceSharding(devices[0])
       self.params, self.kv_cache = jax.tree.map(lambda a: abstract(a, one), (params, kv))
       out_shardings = None
-    model = CausalLM(run_config, kernels, dtype=dtype, scan_layers=True, kv_groups=c.kv_groups)
+    model = CausalLM(run_config, kernels, dtype=dtype, scan_layers=True, kv_groups=c.kv_groups,
+                     unroll_scan=c.unroll_scan)
     self._step = jit_step(model, None, out_shardings)
 
   def shapes(self) -> list[tuple[int, bool, bool]]:

@@ -182,7 +182,8 @@ class LLMEngine:
     self.runner = ModelRunner(run_config, run_params, config.kv_spec(run_config),
                               self.buckets, kv_groups=config.kv_groups, kernels=kernels,
                               dtype=dtype,
-                              unrolled_max_tokens=config.unrolled_max_tokens(), mesh=mesh,
+                              unrolled_max_tokens=config.unrolled_max_tokens(),
+                              unroll_scan=config.unroll_scan, mesh=mesh,
                               expert_parallel=par.enable_expert_parallel,
                               in_step=self.proposer and self.proposer.in_step,
                               in_step_weights=self.proposer and self.proposer.in_step_weights)

@@ -288,6 +288,11 @@ class ResolvedConfig:
                    num_kv_groups=self.kv_groups.num_groups,
                    tree=None if self.speculative is None else self.speculative.tree())
 
+  @property
+  def unroll_scan(self) -> bool:
+    """Whether the scanned stack runs unrolled: on a GPU (see `CausalLM.unroll_scan`)."""
+    return self.platform == "gpu"
+
   def unrolled_max_tokens(self) -> int:
     """Steps of at most this many tokens run the unrolled stack, larger ones the scanned one.
 

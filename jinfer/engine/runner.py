@@ -150,6 +150,7 @@ class ModelRunner:
 
   def __init__(self, config: ModelConfig, params: dict, spec: KVCacheSpec, buckets: Buckets, *,
                kv_groups: KVGroups, kernels: KernelOptions, dtype, unrolled_max_tokens: int,
+               unroll_scan: bool = False,
                in_step: InStep | None = None, in_step_weights: dict | None = None,
                mesh: Mesh | None = None,
                expert_parallel: bool = False):
@@ -177,7 +178,8 @@ class ModelRunner:
     jit = lambda model: jit_step(model, in_step, out_shardings)
 
     def variant(scan: bool) -> Variant:
-      model = CausalLM(config, kernels, dtype=dtype, scan_layers=scan, kv_groups=kv_groups)
+      model = CausalLM(config, kernels, dtype=dtype, scan_layers=scan, kv_groups=kv_groups,
+                       unroll_scan=unroll_scan)
       return Variant(model, params if scan else unstack_layers(params, config.num_layers),
                      jit(model))
 
