@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jinfer.engine.compile_only import AbstractEngine, StepBuild
 from jinfer.engine.engine_config import EngineConfig
+from jinfer.engine.weight_quantization import default_quantization
 from jinfer.errors import ParameterError
 from jinfer.loader import load_model
 from jinfer.parallel.sharding import valid_tensor_parallel_sizes
@@ -237,9 +238,13 @@ def plan(model: str, target: str, *, config: EngineConfig | None = None, dtype=N
     raise ParameterError("gpu_memory_utilization", f"gpu_memory_utilization must be in (0, 1], "
                                                    f"got {gpu_memory_utilization}")
   t = find_target(target)
-  model_config, _, _ = load_model(model, config_only=True, load_tokenizer=False)
-  engine = AbstractEngine(model_config, config or EngineConfig(), t.devices(), t.platform,
-                          dtype)
+  config = default_quantization(config or EngineConfig(), model, t.platform)
+  params = None
+  if config.model.quantization == "gguf":  # the blocks' shapes come from the file
+    model_config, params, _ = load_model(model, keep_gguf_quantized=True, load_tokenizer=False)
+  else:
+    model_config, _, _ = load_model(model, config_only=True, load_tokenizer=False)
+  engine = AbstractEngine(model_config, config, t.devices(), t.platform, dtype, params)
   shapes = engine.shapes()
   if buckets is not None:
     unknown = sorted(set(buckets) - {s[0] for s in shapes})

@@ -9,9 +9,12 @@ sampler's full-vocabulary sort is what makes a TPU build slow).
 from __future__ import annotations
 
 import json
+import math
 
+import jax
 import pytest
 
+from jinfer.models import param_shapes
 from tests.compile_targets import built, devices, plan_for as _plan, shallow as _shallow
 
 pytestmark = [pytest.mark.slow, pytest.mark.compile_only]
@@ -61,6 +64,17 @@ def test_llama_8b_bf16_h100():
   p = _plan("llama-3.1-8b", "h100", [1, 512])
   built(p)
   assert p.fits, p.report()
+  assert p.steps[0].copy_bytes == 0, p.report()
+
+
+def test_smollm2_gguf_blocks_kept_by_default_on_h100():
+  """The built-in GGUF on an H100 keeps its blocks (`default_quantization`): its weights are
+  under half its bf16 bytes and the decode step reads them in place, relayouting nothing."""
+  p = _plan("smollm2-135m-instruct", "h100", [1])
+  built(p)
+  assert p.engine.config.model.quantization == "gguf"
+  bf16 = 2 * sum(math.prod(a.shape) for a in jax.tree.leaves(param_shapes(p.engine.model_config)))
+  assert p.engine.weight_bytes < 0.5 * bf16, p.report()
   assert p.steps[0].copy_bytes == 0, p.report()
 
 

@@ -93,3 +93,19 @@ def test_advice_for_weights_that_do_not_fit():
     advice = p.advice()
     assert advice[0].startswith("the weights alone (131.") and "exceed 90% of 32.00 GiB" in advice[0]
     assert any(a.startswith(want) for a in advice), advice
+
+
+def test_a_gguf_file_keeps_its_blocks_by_default_on_a_gpu_only():
+  """The default the compile-only tier chose (`default_quantization`): GGUF blocks kept on a
+  GPU, dequantized on a TPU and the CPU; a named quantization, or a model that is no GGUF
+  file, is left as it is."""
+  from jinfer.engine.weight_quantization import default_quantization
+  q = lambda config, model, platform: default_quantization(config, model, platform).model.quantization
+  plain, int8 = EngineConfig.of(), EngineConfig.of(quantization="int8")
+  assert q(plain, "smollm2-135m-instruct", "gpu") == "gguf"
+  assert q(plain, "/models/x.gguf", "gpu") == "gguf"
+  for platform in ("cpu", "tpu"):
+    assert q(plain, "smollm2-135m-instruct", platform) is None
+  assert q(int8, "smollm2-135m-instruct", "gpu") == "int8"
+  assert q(plain, "tiny-random-moe", "gpu") is None
+  assert q(plain, "/models/hf-dir", "gpu") is None

@@ -133,15 +133,16 @@ def _shape_only_quantization(quantization: str | None, options: dict) -> dict:
 
 class AbstractEngine:
   """`devices`: the target's devices (compile-only ones, or real ones), at least the engine's
-  tensor x context parallel size; `platform`: theirs ("tpu", "gpu" or "cpu")."""
+  tensor x context parallel size; `platform`: theirs ("tpu", "gpu" or "cpu"). `params`: the
+  loaded params (arrays or their shapes), where the model's declaration does not give them:
+  a GGUF file's kept blocks (`quantization="gguf"`)."""
 
   def __init__(self, model_config: ModelConfig, config: EngineConfig, devices, platform: str,
-               dtype=None):
+               dtype=None, params: dict | None = None):
     dtype = dtype or default_dtype(platform)
-    if config.model.quantization == "gguf":
+    if config.model.quantization == "gguf" and params is None:
       raise ParameterError("quantization", "planning quantization='gguf' needs the GGUF "
-                           "file's blocks, which a plan does not read yet: plan 'int4' or "
-                           "'int8' for a similar size")
+                           "file's blocks: pass the params it loads")
     if config.speculative is not None and config.speculative.method != "ngram":
       raise ParameterError("speculative_config", f"planning {config.speculative.method!r} "
                            f"speculation is not supported yet (its proposer has steps and "
@@ -182,7 +183,8 @@ class AbstractEngine:
                                                      par.tensor_parallel_size)
       return params
 
-    params = jax.eval_shape(run_params, param_shapes(model_config, dtype))
+    params = jax.eval_shape(run_params, param_shapes(model_config, dtype) if params is None else
+                            jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params))
     run_config = self.run_config
     self.kv_spec = spec = c.kv_spec(run_config)
     kv = jax.eval_shape(spec.allocate)

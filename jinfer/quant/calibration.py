@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import sys
 import time
 from typing import Any, Sequence
 
@@ -111,7 +112,7 @@ def calibrate(model: nn.Module, params: dict, kernels: dict, token_ids: Sequence
   seen: dict[int, tuple] = {}  # id of a traced input -> (path, the input)
   start = time.perf_counter()
   if verbose:
-    print(f"calibration: {t} tokens through {c.num_layers} layers", flush=True)
+    print(f"calibration: {t} tokens through {c.num_layers} layers", file=sys.stderr, flush=True)
 
   def record(path, *stats):
     got.setdefault(path, []).append([np.asarray(a) for a in stats])
@@ -119,7 +120,7 @@ def calibrate(model: nn.Module, params: dict, kernels: dict, token_ids: Sequence
     if verbose and path == next(iter(got)) and (done % max(1, c.num_layers // 10) == 0
                                                 or done == c.num_layers):
       print(f"calibration: layer {done}/{c.num_layers} "
-            f"({time.perf_counter() - start:.1f} s)", flush=True)
+            f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
 
   def intercept(f, args, kwargs, context):
     module = context.module
@@ -157,7 +158,7 @@ def calibrate(model: nn.Module, params: dict, kernels: dict, token_ids: Sequence
   jax.block_until_ready(forward(params, ids, pos, md))
   if verbose:
     print(f"calibration: {t} tokens in {len(last_rows)} sequences, {len(got)} inputs of "
-          f"{len(got) + len(aliases)} linears, {time.perf_counter() - start:.1f} s", flush=True)
+          f"{len(got) + len(aliases)} linears, {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
   out = {}
   for path, calls in got.items():

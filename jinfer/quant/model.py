@@ -19,6 +19,7 @@ the largest half, quarter, ... of it that does (576: 64), and the verbose log sa
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Sequence
 
@@ -99,7 +100,7 @@ def apply_awq(params: dict, kernels: dict, stats: dict[tuple[str, ...], LinearSt
       best = np.asarray(jnp.argmin(losses, -1)) / n_grid
       names = "+".join(p[-1] for p in grp.linears)
       print(f"awq: {names} scales, alpha {best.min():.2f}..{best.max():.2f} over layers "
-            f"({time.perf_counter() - t:.1f} s)", flush=True)
+            f"({time.perf_counter() - t:.1f} s)", file=sys.stderr, flush=True)
   if clip:
     for path, decl in _stacked_kernels(params, kernels):
       rel = path[1:]
@@ -115,7 +116,7 @@ def apply_awq(params: dict, kernels: dict, stats: dict[tuple[str, ...], LinearSt
                                  sym=sym, n_grid=n_grid)
       stack = folding.replace(stack, rel + ("kernel",), clipped.reshape(w.shape).astype(w.dtype))
       if verbose:
-        print(f"awq: {rel[-1]} clipped ({time.perf_counter() - t:.1f} s)", flush=True)
+        print(f"awq: {rel[-1]} clipped ({time.perf_counter() - t:.1f} s)", file=sys.stderr, flush=True)
   return {**params, STACK: stack}
 
 
@@ -176,9 +177,9 @@ def quantize_model(params: dict, kernels: dict, *, method: str = "rtn", model=No
     if verbose:
       how = "gptq" if method == "gptq" and path in stats else "rtn"
       print(f"{how}: {'/'.join(path)} {tuple(w.shape)} g{g} "
-            f"({time.perf_counter() - t:.1f} s)", flush=True)
+            f"({time.perf_counter() - t:.1f} s)", file=sys.stderr, flush=True)
   if verbose:
-    print(f"quantize_model ({method}): {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"quantize_model ({method}): {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
   return out
 
 
@@ -224,7 +225,7 @@ def smooth_model(params: dict, kernels: dict, *, model=None,
       out = folding.replace(out, path + ("kernel",), jax.block_until_ready(
           from_int8(q, scale, w.shape, decl[0], decl[1], len(store) > 3 and store[3])))
       if verbose:
-        print(f"gptq int8: {'/'.join(path)} ({time.perf_counter() - t:.1f} s)", flush=True)
+        print(f"gptq int8: {'/'.join(path)} ({time.perf_counter() - t:.1f} s)", file=sys.stderr, flush=True)
   if verbose:
-    print(f"smooth_model: {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"smooth_model: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
   return out
