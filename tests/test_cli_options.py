@@ -47,7 +47,7 @@ def test_flags_spell_the_config():
   assert (config.model.quantization, config.parallel.tensor_parallel_size,
           config.kernels.scan_layers) == ("int8", 2, False)
   assert config.speculative.num_speculative_tokens == 3
-  assert config.replace(page_size=16, enable_prefix_caching=True, quantization=None,
+  assert config.replace(page_size=None, enable_prefix_caching=True, quantization=None,
                         tensor_parallel_size=1, scan_layers=None, num_pages=None,
                         speculative_config=None) == EngineConfig()
 
