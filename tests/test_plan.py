@@ -109,3 +109,14 @@ def test_a_gguf_file_keeps_its_blocks_by_default_on_a_gpu_only():
   assert q(int8, "smollm2-135m-instruct", "gpu") == "int8"
   assert q(plain, "tiny-random-moe", "gpu") is None
   assert q(plain, "/models/hf-dir", "gpu") is None
+
+
+def test_a_head_dim_the_gpu_kernel_cannot_take_is_refused_by_name(tiny_model):
+  """A GPU config whose attention kernel cannot take the model's heads fails when the config
+  resolves, naming the option and the way out, not when a step compiles."""
+  import dataclasses
+  config = dataclasses.replace(tiny_model[0], head_dim=80)
+  with pytest.raises(ParameterError, match="head_dim >= 16.*80"):
+    EngineConfig.of().resolve(config, platform="gpu")
+  assert EngineConfig.of(attention_backend="xla").resolve(
+      config, platform="gpu").attention_backend == "xla"

@@ -236,13 +236,19 @@ class EngineConfig:
         speculative=self.speculative and self.speculative.resolve(platform))
     defaults = PLATFORM_DEFAULTS.get(platform, CPU_DEFAULTS)
     k = config.kernels
+    attention = k.attention_backend or defaults[0]
+    d = model.head_dim
+    if attention == "pallas_gpu" and (d < 16 or d & (d - 1)):
+      raise ParameterError("attention_backend", f"the GPU attention kernel (Triton) takes a "
+                           f"power-of-two head_dim >= 16; this model's is {d}: pass "
+                           f"attention_backend='xla' to run XLA's attention instead")
     pages_per_seq = -(-max_len // config.cache.page_size)
     groups = KVGroups.of(model, max_len, hybrid=not config.cache.disable_hybrid_kv_cache_manager)
     return ResolvedConfig(
         config=config, platform=platform, dtype=dtype or default_dtype(platform),
         max_pages_per_seq=pages_per_seq, kv_groups=groups,
         num_pages=_num_pages(config, groups),
-        attention_backend=k.attention_backend or defaults[0],
+        attention_backend=attention,
         matmul_backend=k.matmul_backend or defaults[1],
         grouped_matmul_backend=k.grouped_matmul_backend or defaults[2],
         groupwise_backend=defaults[3], dense_backend=defaults[4])
