@@ -76,23 +76,29 @@ class Plan:
   # -- estimates ------------------------------------------------------------------------------
   def decode_estimates(self, batches: tuple[int, ...] = DECODE_BATCHES) -> list[dict]:
     """Decode steps of B sequences at `context_len` tokens each: the step reads every weight
-    and each sequence's KV once, so its time is at least those bytes over the published HBM
-    bandwidth, and at least 2 flops per weight per sequence over the published bf16 peak; the
-    larger bound is the estimate. (XLA:TPU's cost model is not used: it counts a scanned layer
-    body once, and nothing for Pallas kernels.) For MoE models every expert's weights count,
-    an upper bound at small batches."""
+    and each sequence's KV once, and reads and writes whatever its built step relayouts
+    (`StepBuild.copy_bytes`, where the plan built that bucket), so its time is at least those
+    bytes over the published HBM bandwidth, and at least 2 flops per weight per sequence over
+    the published bf16 peak; the larger bound is the estimate. (XLA:TPU's cost model is not
+    used: it counts a scanned layer body once, and nothing for Pallas kernels.) For MoE models
+    every expert's weights count, an upper bound at small batches."""
     e, t = self.engine, self.target
     kv_token = e.page_bytes / e.config.cache.page_size  # one token's K/V, every layer, per device
+    copies = {s.tokens: s.copy_bytes for s in self.steps
+              if s.built and not (s.verify or s.prompt_logprobs)}
     out = []
     for b in batches:
       if b > e.config.scheduler.max_num_seqs:
         continue
-      memory = (e.weight_bytes + b * self.context_len * kv_token) / t.hbm_bandwidth
+      bucket = e.buckets.pick(b)
+      moved = 2 * copies.get(bucket, 0)
+      memory = (e.weight_bytes + b * self.context_len * kv_token + moved) / t.hbm_bandwidth
       compute = 2 * e.weight_elements * b / t.bf16_flops
       seconds = max(memory, compute)
-      out.append({"batch": b, "bucket": e.buckets.pick(b), "context_len": self.context_len,
+      out.append({"batch": b, "bucket": bucket, "context_len": self.context_len,
                   "step_seconds": seconds, "tokens_per_second": b / seconds,
                   "bound": "memory" if memory >= compute else "compute",
+                  "relayout_bytes_moved": moved,
                   "source": "bytes / published HBM bandwidth, flops / published bf16 peak",
                   "kind": ESTIMATE})
     return out
@@ -211,7 +217,9 @@ class Plan:
                  f"measurements):")
     for d in self.decode_estimates():
       lines.append(f"  batch {d['batch']:>3}: {d['step_seconds'] * 1e3:8.2f} ms/step, "
-                   f"{d['tokens_per_second']:9.1f} tok/s ({d['bound']}-bound; {d['source']})")
+                   f"{d['tokens_per_second']:9.1f} tok/s ({d['bound']}-bound; {d['source']}"
+                   + (f"; {d['relayout_bytes_moved'] / 2**20:.0f} MiB of relayouts moved"
+                      if d["relayout_bytes_moved"] else "") + ")")
     advice = self.advice()
     if advice:
       lines.append("to make it fit, any of:")
