@@ -292,6 +292,42 @@ def test_act_order_kernel_splits_with_its_perm():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("quantization,options", [
+    ("int8", {}), ("w8a8", dict(quantization_config={"smoothquant": False})),
+    ("int4", dict(quantization_config={"method": "rtn", "group_size": 16})),
+    # The TPU's Pallas int8 kernel, interpreted, per shard under shard_map.
+    ("int8", dict(matmul_backend="pallas_tpu", interpret=True)),
+], ids=["int8", "w8a8", "int4", "int8-pallas"])
+def test_quantized_tensor_parallel_8_matches_one_device(params, quantization, options):
+  """Each weight mode at TP 8 (KV heads duplicated x4) on 8 host devices runs its kernels per
+  shard (jinfer/parallel/linear.py: q/k/v/gate/up column parallel, o/down row parallel with
+  one all-reduce, the LM head over the vocabulary): the same greedy tokens as one device, the
+  logprobs within the mode's own tolerance. int4's groups of 16 let o/down split their K.
+  W8A8's row-parallel layers quantize each shard's slice of a token's activations with its own
+  scale, a different rounding of the same accuracy: there the sharded logprobs stay as close to
+  the float model's as one device's are (within 1.5x of its largest gap)."""
+  make = lambda **o: _engine(params, quantization=quantization, **options, **o)
+  want = _generate(make(), SHORT[:3], max_tokens=4)
+  got = _generate(make(tensor_parallel_size=8), SHORT[:3], max_tokens=4)
+  if quantization != "w8a8":
+    _assert_same(got, want, QUANTIZED_RTOL)
+    return
+  exact = _generate(_engine(params), SHORT[:3], max_tokens=4)
+
+  def error(outs, ref):  # largest logprob gap over the positions whose tokens so far agree
+    gaps = []
+    for out, r in zip(outs, ref):
+      for i, (o, w) in enumerate(zip(out.logprobs, r.logprobs)):
+        gaps += [abs(o[t] - w[t]) for t in w if t in o]
+        if out.token_ids[i] != r.token_ids[i]:
+          break
+    return max(gaps)
+
+  assert [g.token_ids[0] for g in got] == [w.token_ids[0] for w in want]
+  assert error(got, exact) <= 1.5 * error(want, exact), (error(got, exact), error(want, exact))
+
+
+@pytest.mark.slow
 def test_int4_parallel_matches_one_device(params, tmp_path):
   """int4 under TP 4 x CP 2 (KV heads duplicated x2) runs as on one device. Groups of 64:
   q/k/v/gate/up split their N, 1/4 on each device; o_proj's and down's K=128 holds 2 groups,

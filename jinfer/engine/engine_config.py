@@ -329,17 +329,17 @@ class ResolvedConfig:
 
   def kernel_options(self, mesh: Mesh | None = None) -> KernelOptions:
     """`mesh`: the devices the model runs over, None for one device."""
-    # Over a mesh the matmuls take their XLA forms, which split like any dot: a Mosaic kernel
-    # refuses to be partitioned ("wrap the call in a shard_map"; the compile-only tier found it
-    # for int8 at TP 8 on v6e-8) and a Triton one would gather its sharded operands whole.
-    # Attention and the expert-parallel experts run their kernels per shard, under shard_map.
+    # Over a mesh the quantized matmuls run their kernels per shard, under shard_map
+    # (jinfer/parallel/linear.py), as attention and the expert-parallel experts do: a Mosaic
+    # kernel refuses to be partitioned, and XLA partitioning the XLA forms relayouted stacked
+    # int8 weights on eight H100s. Float layers take the plain dot, which XLA partitions in
+    # place, and experts split along their MLP axis (no expert parallelism) `ragged_dot`.
     sharded = mesh is not None
     ep = self.parallel.enable_expert_parallel
-    return KernelOptions(attention=self.attention_backend,
-                         matmul="xla" if sharded else self.matmul_backend,
+    return KernelOptions(attention=self.attention_backend, matmul=self.matmul_backend,
                          int8_transposed=self.matmul_backend == "xla" and mesh is None,
                          dense="reference" if sharded else self.dense_backend,
-                         groupwise="xla" if sharded else self.groupwise_backend,
+                         groupwise=self.groupwise_backend,
                          grouped_matmul=("ragged_dot" if sharded and not ep and
                                          self.grouped_matmul_backend.startswith("pallas")
                                          else self.grouped_matmul_backend),

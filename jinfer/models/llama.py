@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from jinfer.config import ModelConfig
 from jinfer.models.kernel_options import KernelOptions
@@ -56,6 +57,8 @@ from jinfer.models.params import LinearKernel, default_init as _init, kernel as 
 from jinfer.quant.groupwise import GroupwiseArray
 from jinfer.quant.qarray import QArray
 from jinfer.parallel.attention import paged_attention
+from jinfer.parallel.linear import int8_specs, tensor_parallel_matmul
+from jinfer.parallel.sharding import group_split
 from pallas_kernels import AttentionMetadata, dense_matmul, groupwise_matmul, int8_matmul
 
 NO_WINDOW = 1 << 30  # a per-layer window that never excludes a key
@@ -96,13 +99,22 @@ class Linear(nn.Module):
                 self.shape, self.dtype)
     k, n = int(np.prod(self.shape[:self.n_in])), int(np.prod(out_shape))
     lead = x.shape[:x.ndim - self.n_in]
+    mesh = self.kernels.mesh
     if isinstance(w, GroupwiseArray):
-      y = _groupwise(x.reshape(-1, k), w, self.kernels).reshape(lead + out_shape)
+      if mesh is not None and w.perm is None:
+        y = _sharded_groupwise(x, w, self.axes, self.n_in, out_shape, self.kernels)
+      else:
+        y = _groupwise(x.reshape(-1, k), w, self.kernels).reshape(lead + out_shape)
     elif isinstance(w, QArray):
-      y = int8_matmul(x.reshape(-1, k), w.values.reshape((n, k) if w.transposed else (k, n)),
-                      w.scale.reshape(n), mode=self.kernels.matmul_mode,
-                      backend=self.kernels.matmul, interpret=self.kernels.interpret,
-                      transpose_w=w.transposed).reshape(lead + out_shape)
+      mm = functools.partial(_int8, mode=self.kernels.matmul_mode, kernels=self.kernels,
+                             transposed=w.transposed)
+      if mesh is not None:  # the kernel per shard (jinfer/parallel/linear.py)
+        ins, outs, w_spec, s_spec = int8_specs(self.axes, self.n_in, w.transposed)
+        y = tensor_parallel_matmul(mm, x, w.values, (w.scale,), in_spec=ins, out_spec=outs,
+                                   weight_spec=w_spec, scale_specs=(s_spec,),
+                                   out_shape=out_shape, mesh=mesh)
+      else:
+        y = mm(x.reshape(-1, k), w.values, w.scale).reshape(lead + out_shape)
     else:
       y = dense_matmul(x, w, n_in=self.n_in, backend=self.kernels.dense)
     if self.use_bias:
@@ -388,6 +400,31 @@ class CausalLM(nn.Module):
     return logits, (x if return_hidden else None), kv_cache
 
 
+def _int8(x: jax.Array, values: jax.Array, scale: jax.Array, *, mode: str,
+          kernels: KernelOptions, transposed: bool) -> jax.Array:
+  """x [M, K] @ values (K x N, or N x K `transposed`; any shape of that size) -> [M, N]."""
+  k = x.shape[1]
+  w = values.reshape((-1, k) if transposed else (k, -1))
+  return int8_matmul(x, w, scale.reshape(-1), mode=mode, backend=kernels.matmul,
+                     interpret=kernels.interpret, transpose_w=transposed)
+
+
+def _sharded_groupwise(x: jax.Array, w: GroupwiseArray, axes: tuple[str, ...], n_in: int,
+                       out_shape: tuple[int, ...], kernels: KernelOptions) -> jax.Array:
+  """The group-wise kernel per tensor shard: its flattened K or N splits as `shard_params` laid
+  it out (`sharding.group_split`), the activations or the outputs likewise."""
+  k_axis, n_axis = group_split(w, axes, n_in, kernels.mesh.shape["tensor"])
+  ins = (k_axis,) + (None,) * (n_in - 1)
+  outs = (n_axis,) + (None,) * (len(out_shape) - 1)
+  spec = P(k_axis, n_axis)
+  mm = lambda x, q, scale, offset: groupwise_matmul(
+      x, q, scale, offset, bits=w.bits, group_size=w.group_size, backend=kernels.groupwise,
+      interpret=kernels.interpret)
+  return tensor_parallel_matmul(mm, x, w.q, (w.scale, w.offset), in_spec=ins, out_spec=outs,
+                                weight_spec=spec, scale_specs=(spec, spec), out_shape=out_shape,
+                                mesh=kernels.mesh)
+
+
 def _groupwise(x: jax.Array, w: GroupwiseArray, kernels: KernelOptions) -> jax.Array:
   """x [M, K] @ w [K, N] (group-wise quantized) -> [M, N]."""
   if w.perm is not None:  # rows stored in act-order groups: x's columns follow them
@@ -400,8 +437,13 @@ def _tied_head(x: jax.Array, embed, kernels: KernelOptions) -> jax.Array:
   if isinstance(embed, GroupwiseArray):  # stored [K=E, N=V]
     return _groupwise(x, embed, kernels)
   if isinstance(embed, QArray):
-    return int8_matmul(x, embed.values, embed.scale, mode=HEAD_MODE, backend=kernels.matmul,
-                       interpret=kernels.interpret, transpose_w=True)
+    mm = functools.partial(_int8, mode=HEAD_MODE, kernels=kernels, transposed=True)
+    if kernels.mesh is None:
+      return mm(x, embed.values, embed.scale)
+    ins, outs, w_spec, s_spec = int8_specs(("vocab", "embed"), 1, True)
+    return tensor_parallel_matmul(mm, x, embed.values, (embed.scale,), in_spec=ins,
+                                  out_spec=outs, weight_spec=w_spec, scale_specs=(s_spec,),
+                                  out_shape=embed.values.shape[:1], mesh=kernels.mesh)
   return dense_matmul(x, embed, transpose_w=True, backend=kernels.dense)
 
 

@@ -180,6 +180,14 @@ def _name(path) -> str:
   return "/".join(str(k.key) for k in path)
 
 
+def group_split(w: GroupwiseArray, axes: tuple[str, ...], n_in: int, tp: int):
+  """(K's mesh axis, N's) of one layer's group-wise kernel `[K, N]` with logical `axes`, as
+  `shard_params` split it."""
+  _, k_spec, n_spec, _ = _groupwise_spec(w, tuple(partition_spec(axes)),
+                                         (n_in, len(axes) - n_in, False), tp)
+  return k_spec, n_spec
+
+
 def _groupwise_spec(w: GroupwiseArray, spec: tuple, decl: tuple, tp: int):
   """(lead spec, K's, N's, why an axis the float kernel splits stays whole or "") of a flattened
   kernel, from its float kernel's partition spec `spec` and declaration `decl` (`n_in, n_out,
