@@ -21,6 +21,7 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interp
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import AttentionMetadata
+from pallas_kernels.kv_cache_layout import quantize_pages
 from pallas_kernels.ragged_paged_attention import (BACKENDS, default_backend, merge_attention,
                                                    ragged_paged_attention)
 
@@ -84,22 +85,38 @@ CASES = [
     Case("absent_pages_gqa2_d64_p8", 4, 2, 64, 8,
          ((1, 40), (9, 33), (5, 5), (4, 29)), num_slots=5, num_tokens=24, verify_width=4,
          absent_pages=True, sliding_window=20),
+    # Steps that statically hold no prefill chunk (max_q_len <= verify_width): the XLA path's
+    # decode-only form. A decode's own key may sit on an absent page; (3, 3) is a short prompt
+    # with no cached context, a verify-class sequence.
+    Case("decode_only_window_softcap_scales_absent", 8, 2, 64, 8,
+         ((1, 20), (1, 1), (1, 33), (1, 9)), num_slots=6, num_tokens=8, max_q_len=1,
+         sliding_window=6, soft_cap=3.0, k_scale=0.5, v_scale=2.0, absent_pages=True),
+    Case("verify_only_chains_window_gqa2_d64_p8", 4, 2, 64, 8,
+         ((4, 23), (1, 9), (3, 3), (2, 30)), num_slots=5, num_tokens=16, max_q_len=4,
+         verify_width=4, sliding_window=5),
+    Case("verify_only_trees_softcap_absent_gqa4_d64_p8", 8, 2, 64, 8,
+         ((7, 26), (1, 12), (8, 40), (5, 5), (3, 17)), num_slots=6, num_tokens=32, max_q_len=8,
+         verify_width=8, tree=True, soft_cap=2.0, absent_pages=True),
 ]
 CASE_IDS = [c.name for c in CASES]
-# The fast tier runs these (mixed rows, windows, GQA, trees, absent pages); the rest are slow.
+# The fast tier runs these (mixed rows, windows, GQA, trees, absent pages, a decode-only step);
+# the rest are slow.
+DECODE_ONLY = "verify_only_trees_softcap_absent_gqa4_d64_p8"
 FAST_CASES = ("mha_d64_p8_f32", "gqa8_d64_p16_window", "verify_trees_gqa4_d64_p8",
-              "absent_pages_gqa2_d64_p8")
+              "absent_pages_gqa2_d64_p8", DECODE_ONLY)
 CASE_PARAMS = [pytest.param(c, id=c.name,
                             marks=() if c.name in FAST_CASES else pytest.mark.slow)
                for c in CASES]
 # The default blocks run in the fast tier on its two richest cases (tree rows, absent pages and
-# a window), the split-context merge on the one with absent pages; every case in the slow tier.
+# a window), the split-context merge on the one with absent pages and on a decode-only step;
+# every case in the slow tier.
 RICH_CASES = ("verify_trees_gqa4_d64_p8", "absent_pages_gqa2_d64_p8")
 RICH_CASE_PARAMS = [pytest.param(c, id=c.name,
                                  marks=() if c.name in RICH_CASES else pytest.mark.slow)
                     for c in CASES]
 MERGE_CASE_PARAMS = [pytest.param(c, id=c.name,
-                                  marks=() if c.name == RICH_CASES[1] else pytest.mark.slow)
+                                  marks=() if c.name in (RICH_CASES[1], DECODE_ONLY)
+                                  else pytest.mark.slow)
                      for c in CASES]
 
 
@@ -323,6 +340,44 @@ def test_softmax_state_merges_split_context(merge_case_batch, backend):
                              atol=10 * tol, rtol=tol)
   np.testing.assert_allclose(np.asarray(lse)[:n_real][live], whole_lse[:n_real][live],
                              atol=10 * tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
+def test_xla_decode_only_over_quantized_pages(dtype):
+  """The decode-only form over int8 / fp8 pages (every case there in the slow tier of
+  tests/test_kv_cache_quantization.py): equal to the reference over the same pages to float
+  rounding, the softmax state too."""
+  case = next(c for c in CASES if c.name == DECODE_ONLY)
+  b = make_batch(case)
+  cache = quantize_pages(jnp.asarray(b["cache"]), {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[dtype])
+  fn = lambda backend: jax.jit(lambda q, cache, md: ragged_paged_attention(
+      q, cache, md, layer=jnp.int32(LAYER), sm_scale=case.head_dim ** -0.5,
+      soft_cap=case.soft_cap, return_softmax_state=True, backend=backend))(
+          jnp.asarray(b["q"]), cache, metadata(case, b))
+  (o, lse), (want, want_lse) = fn("xla"), fn("reference")
+  np.testing.assert_allclose(o, want, atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(lse, want_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_engine_decode_buckets_take_the_decode_only_form():
+  """The engine's steps that can hold no prefill chunk (one token, and a verify step of at most
+  k + 1 rows) say so in their static metadata, and the XLA path then lowers to one loop (the
+  context's) instead of the row tiles' loops and the prefill chunks' nest of them."""
+  from jinfer.engine.step_input import Buckets, empty_step_input, to_step_input
+  b = Buckets(max_num_seqs=8, max_num_batched_tokens=16, max_prefill_seqs=2,
+              max_pages_per_seq=4, max_model_len=64, num_speculative_tokens=3)
+
+  def loops(t: int, verify: bool) -> int:
+    md = to_step_input(empty_step_input(b, t, verify=verify), b).md
+    md = md.replace(slot_mapping=md.slot_mapping[0], block_table=md.block_table[0])  # group 0
+    attend = lambda q, cache, md: ragged_paged_attention(q, cache, md, sm_scale=0.125)
+    text = jax.jit(attend).lower(jnp.zeros((t, 4, 64)), jnp.zeros((1, 9, 2, 2, 8, 64)),
+                                 md).as_text()
+    return text.count("stablehlo.while")
+
+  assert b.token_buckets == [1, 2, 4, 8, 16]
+  assert loops(1, False) == loops(1, True) == loops(4, True) == 1
+  assert loops(2, False) > 3 and loops(8, True) > 3  # these may hold a prefill chunk
 
 
 RACE_CASES = [

@@ -16,6 +16,18 @@ converted to float32, with the scales folded into the context loops' scores (K) 
 (V) instead of multiplied into every value: with SmolLM2's heads that is 1/21 of the multiplies,
 and it took a 32-sequence decode over 192 keys each from 1.45 ms a layer (values scaled) to
 0.65 ms, against 0.8 ms over float32 pages. This step's own keys are dequantized as they are read.
+
+Decode-only form: when the step statically holds no prefill chunk (`md.max_q_len <=
+verify_width`, or `T <= verify_width`: the engine's one-token step, a verify step of at most
+k + 1 rows, a draft model's decode pass), every sequence's new keys sit among its own
+`verify_width` row slots, so they start the context pass's softmax directly (by the tree mask,
+else causally) and the row tiles' loops, the scatter of the context state to rows and the merge
+are not built: one loop per layer instead of four (the binary search of rows' sequences becomes
+a comparison of every row with every start, cheap where T <= S * verify_width). On the CPU the
+one-token step's layers are unrolled and its attention was ~10 of its ~16 s to compile;
+SmolLM2's one-token step compiled in a median 11.0 s against 16.2 s (three rounds each, loaded
+2-core CPU; docs/performance.md), though its optimized HLO is no smaller (~30k instructions:
+XLA:CPU fuses the integer bookkeeping into every kernel that reads it, and that copy dominates).
 """
 from __future__ import annotations
 
@@ -94,12 +106,14 @@ def ragged_paged_attention_xla(
     """K and V at kv_cache[layer, page, {0, 1}, *rest] as float32, and a quantized cache's
     scales of them (which index like the values, less head_dim), else None."""
     # K and V are gathered apart: gathering whole pages and slicing them apart costs a copy.
-    # Absent pages (negative ids) read page 0; callers mask their keys.
+    # Absent pages (negative ids) read page 0; callers mask their keys. No index is negative,
+    # so none is wrapped (the wrapping's selects end up in every kernel the gather feeds).
     pages = jnp.maximum(pages, 0)
     at = [(layer, pages, i) + rest for i in (0, 1)]
-    k, v = (values[a].astype(f32) for a in at)
+    get = lambda x, a: x.at[a].get(wrap_negative_indices=False)
+    k, v = (get(values, a).astype(f32) for a in at)
     k, v = (k if k_scale is None else k * k_scale), (v if v_scale is None else v * v_scale)
-    return k, v, *((None, None) if kv_scales is None else (kv_scales[a] for a in at))
+    return k, v, *((None, None) if kv_scales is None else (get(kv_scales, a) for a in at))
 
   def load(pages, *rest):  # K and V, dequantized
     k, v, ks, vs = load_raw(pages, *rest)
@@ -142,13 +156,17 @@ def ragged_paged_attention_xla(
   is_short = live & (q_lens <= w)  # [S] decode and verify sequences
   rows = jnp.arange(t)
   row_live = rows < total  # [T]
-  seg = jnp.clip(jnp.searchsorted(starts, rows, side="right") - 1, 0, s_max - 1)  # [T]
+  # Without a prefill chunk T <= S * w, and comparing every row with every start costs nothing
+  # beside the binary search's loop, which is one more program to compile per layer.
+  seg = jnp.clip(jnp.searchsorted(starts, rows, side="right",
+                                  method="scan" if multi_query else "compare_all") - 1,
+                 0, s_max - 1)  # [T]
   idx = rows - starts[seg]  # [T] index among the sequence's new rows
   slot_pos = jnp.where(row_live, ctx_lens[seg] + idx, 0)  # [T] where the row's K/V is stored
   # [S] context pages to walk per sequence: those holding its cached keys (all in the first
   # entries, the tables being in position order)
   if ctx_pos is None:
-    ctx_pages_n = (ctx_lens + page_size - 1) // page_size
+    ctx_pages_n = jax.lax.div(ctx_lens + page_size - 1, page_size)
   else:
     ctx_pages_n = jnp.sum((ctx_pos >= 0) & (ctx_pos * page_size < ctx_lens[:, None]), axis=1)
   if sliding_window is not None:
@@ -176,52 +194,67 @@ def ragged_paged_attention_xla(
     pos = jnp.where(row_live, ctx_lens[seg] + depth, 0)  # [T]
   qf = q.astype(f32).reshape(t, hkv, gq, d)
 
+  def finish(state, by_row):
+    """The output [T, Hq, D] (and log-sum-exp [T, Hq]) of a softmax state; `by_row(x, fill)`
+    lays x out by row, [T, Hkv, Gq, ...] (`fill` for rows the state does not hold). Rows that
+    saw no key come out 0."""
+    m, l, acc = state
+    o = by_row(acc / jnp.where(l == 0.0, 1.0, l)[..., None], 0.0)
+    o = o.reshape(t, hq, d).astype(q.dtype)
+    if not return_softmax_state:
+      return o
+    lse = jnp.where(l > 0.0, m + jnp.log(jnp.where(l > 0.0, l, 1.0)), -jnp.inf)
+    return o, by_row(lse, -jnp.inf).reshape(t, hq)
+
   # This step's keys, read back from the slots the step wrote them to (so a quantized cache
-  # is seen exactly as later steps will see it).
-  page = page_indices[seg, slot_pos // page_size]  # [T]
-  k_new, v_new = load(page, slice(None), slot_pos % page_size)  # [T, Hkv, D] each
+  # is seen exactly as later steps will see it). Positions are never negative: lax.div and
+  # lax.rem, not the floor division's sign fix-ups.
+  page = page_indices[seg, jax.lax.div(slot_pos, page_size)]  # [T]
+  k_new, v_new = load(page, slice(None), jax.lax.rem(slot_pos, page_size))  # [T, Hkv, D] each
   key_live = row_live & (page >= 0)  # [T] keys on absent pages are skipped
   v_new = jnp.where(key_live[:, None, None], v_new, 0.0)
 
-  # -- 1. this step's keys: row tile i attends to tiles j <= i from its first row's sequence.
-  bq = min(block_q, t)
-  n_tiles = -(-t // bq)
-  pad = n_tiles * bq - t
-  padded = lambda x, fill=0: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1),
-                                     constant_values=fill)
-  # Heads lead, so each tile's products are plain batched matmuls over [Gq*bq, D] rows.
-  q_p = padded(qf).transpose(1, 2, 0, 3)  # [Hkv, Gq, T', D]
-  k_p, v_p = padded(k_new).transpose(1, 0, 2), padded(v_new).transpose(1, 0, 2)  # [Hkv, T', D]
-  seg_p, idx_p, pos_p = padded(seg, -1), padded(idx), padded(pos)
-  live_p, key_live_p = padded(row_live, False), padded(key_live, False)
-  short_p = padded(is_short[seg], False)
-  tree_p = None if tree is None else padded(tree, False)  # [T', W]
+  # -- 1. this step's keys, when a prefill chunk may be present: row tile i attends to tiles
+  # j <= i from its first row's sequence. (Without one they join the decode context pass.)
+  if multi_query:
+    bq = min(block_q, t)
+    n_tiles = -(-t // bq)
+    pad = n_tiles * bq - t
+    padded = lambda x, fill=0: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1),
+                                       constant_values=fill)
+    # Heads lead, so each tile's products are plain batched matmuls over [Gq*bq, D] rows.
+    q_p = padded(qf).transpose(1, 2, 0, 3)  # [Hkv, Gq, T', D]
+    k_p, v_p = padded(k_new).transpose(1, 0, 2), padded(v_new).transpose(1, 0, 2)  # [Hkv, T', D]
+    seg_p, idx_p, pos_p = padded(seg, -1), padded(idx), padded(pos)
+    live_p, key_live_p = padded(row_live, False), padded(key_live, False)
+    short_p = padded(is_short[seg], False)
+    tree_p = None if tree is None else padded(tree, False)  # [T', W]
 
-  def self_tile(i, out):
-    sl = lambda x, axis=0: jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis)
-    qt, seg_q, idx_q, pos_q, live_q = sl(q_p, 2), sl(seg_p), sl(idx_p), sl(pos_p), sl(live_p)
-    first = starts[seg_q[0]] // bq
+    def self_tile(i, out):
+      sl = lambda x, axis=0: jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis)
+      qt, seg_q, idx_q, pos_q, live_q = sl(q_p, 2), sl(seg_p), sl(idx_p), sl(pos_p), sl(live_p)
+      first = starts[seg_q[0]] // bq
 
-    def body(c):
-      j, st = c
-      sk = lambda x, axis=0: jax.lax.dynamic_slice_in_dim(x, j * bq, bq, axis)
-      idx_k = sk(idx_p)
-      sees = idx_k[None, :] <= idx_q[:, None]  # [bq, bq] causal
-      if tree_p is not None:
-        bit = jnp.take_along_axis(sl(tree_p), jnp.broadcast_to(
-            jnp.clip(idx_k, 0, w - 1)[None, :], (bq, bq)), axis=1)
-        sees = jnp.where(sl(short_p)[:, None], bit, sees)
-      mask = ((seg_q[:, None] == sk(seg_p)[None, :]) & sees & live_q[:, None]
-              & sk(key_live_p)[None, :] & window(sk(pos_p)[None, :], pos_q[:, None]))
-      return j + 1, _update(st, scores(qt, sk(k_p, 1), "hxqd,hkd->hxqk"), mask,
-                            lambda p: jnp.einsum("hxqk,hkd->hxqd", p, sk(v_p, 1)))
+      def body(c):
+        j, st = c
+        sk = lambda x, axis=0: jax.lax.dynamic_slice_in_dim(x, j * bq, bq, axis)
+        idx_k = sk(idx_p)
+        sees = idx_k[None, :] <= idx_q[:, None]  # [bq, bq] causal
+        if tree_p is not None:
+          bit = jnp.take_along_axis(sl(tree_p), jnp.broadcast_to(
+              jnp.clip(idx_k, 0, w - 1)[None, :], (bq, bq)), axis=1)
+          sees = jnp.where(sl(short_p)[:, None], bit, sees)
+        mask = ((seg_q[:, None] == sk(seg_p)[None, :]) & sees & live_q[:, None]
+                & sk(key_live_p)[None, :] & window(sk(pos_p)[None, :], pos_q[:, None]))
+        return j + 1, _update(st, scores(qt, sk(k_p, 1), "hxqd,hkd->hxqk"), mask,
+                              lambda p: jnp.einsum("hxqk,hkd->hxqd", p, sk(v_p, 1)))
 
-    _, st = jax.lax.while_loop(lambda c: (c[0] <= i) & live_q[0], body,
-                               (first, empty(hkv, gq, bq)))
-    return tuple(jax.lax.dynamic_update_slice_in_dim(o, x, i * bq, axis=2)
-                 for o, x in zip(out, st))
+      _, st = jax.lax.while_loop(lambda c: (c[0] <= i) & live_q[0], body,
+                                 (first, empty(hkv, gq, bq)))
+      return tuple(jax.lax.dynamic_update_slice_in_dim(o, x, i * bq, axis=2)
+                   for o, x in zip(out, st))
 
-  self_state = jax.lax.fori_loop(0, n_tiles, self_tile, empty(hkv, gq, t + pad))
+    self_state = jax.lax.fori_loop(0, n_tiles, self_tile, empty(hkv, gq, t + pad))
 
   # -- 2. context of decode and verify rows: w row slots per sequence, a block of pages of all
   # sequences at once. Measured on XLA:CPU: ~1024 keys per block over all sequences balances loop
@@ -262,9 +295,28 @@ def ragged_paged_attention_xla(
                               p.reshape(sc.shape) * (1.0 if vs is None else vs), v)
     return blk + 1, _update(st, sc.reshape(s_max, hkv, w * gq, bk), mask, pv)
 
-  n_blk = (jnp.max(jnp.where(is_short, ctx_pages_n, 0), initial=0) + ppb - 1) // ppb
-  _, short = jax.lax.while_loop(lambda c: c[0] < n_blk, short_block,
-                                (jnp.int32(0), empty(s_max, hkv, w * gq)))
+  if multi_query:
+    init = empty(s_max, hkv, w * gq)
+  else:
+    # Decode-only: every sequence's new keys are among its own w row slots, so they start the
+    # context pass's softmax (by the tree mask, else causally) with no tile loop; see the
+    # module docstring.
+    k_s, v_s = k_new[srow_c], v_new[srow_c]  # [S, W, Hkv, D]
+    sees = (jnp.arange(w)[None, :] <= jnp.arange(w)[:, None] if tree is None
+            else tree[srow_c])  # [W | S, W(rows), W(keys)]
+    mask = (sees & (srow_live & key_live[srow_c])[:, None, :]
+            & window(spos[:, None, :], spos[:, :, None]))  # [S, W, W]
+    mask = jnp.broadcast_to(mask[:, :, None], (s_max, w, gq, w)).reshape(s_max, 1, w * gq, w)
+    init = _update(empty(s_max, hkv, w * gq), scores(qs, k_s, "shxd,skhd->shxk"), mask,
+                   lambda p: jnp.einsum("shxk,skhd->shxd", p, v_s))
+  n_blk = jax.lax.div(jnp.max(jnp.where(is_short, ctx_pages_n, 0), initial=0) + ppb - 1, ppb)
+  _, short = jax.lax.while_loop(lambda c: c[0] < n_blk, short_block, (jnp.int32(0), init))
+  if not multi_query:  # each row's state from its sequence's slots; padding rows come out 0
+    def by_row(x, fill):  # [S, Hkv, W*Gq, ...] -> [T, Hkv, Gq, ...]
+      x = x.reshape((s_max, hkv, w, gq) + x.shape[3:])[seg, :, jnp.minimum(idx, w - 1)]
+      return jnp.where(row_live.reshape((t,) + (1,) * (x.ndim - 1)), x, fill)
+    return finish(short, by_row)
+
   # Scatter to rows [Hkv, Gq, T']; rows of other sequences keep an empty state.
   tgt = jnp.where(srow_live, srow, t + pad).reshape(-1)  # [S*W]
   ctx_state = tuple(
@@ -326,10 +378,6 @@ def ragged_paged_attention_xla(
     _, ctx_state = jax.lax.while_loop(lambda c: c[0] < n_multi, seq_body,
                                       (jnp.int32(0), ctx_state))
 
-  m, l, acc = _merge(self_state, ctx_state)
-  o = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # [Hkv, Gq, T', D]; padding rows come out 0
-  o = o[:, :, :t].transpose(2, 0, 1, 3).reshape(t, hq, d).astype(q.dtype)
-  if not return_softmax_state:
-    return o
-  lse = jnp.where(l > 0.0, m + jnp.log(jnp.where(l > 0.0, l, 1.0)), -jnp.inf)  # [Hkv, Gq, T']
-  return o, lse[:, :, :t].transpose(2, 0, 1).reshape(t, hq)
+  # The state is [Hkv, Gq, T', ...]; padding rows in it saw no key.
+  return finish(_merge(self_state, ctx_state),
+                lambda x, fill: x[:, :, :t].transpose((2, 0, 1) + tuple(range(3, x.ndim))))
