@@ -293,11 +293,11 @@ def test_act_order_kernel_splits_with_its_perm():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization,options", [
-    ("int8", {}), ("w8a8", dict(quantization_config={"smoothquant": False})),
+    # W8A8 runs the XLA int8 kernel per shard; int8 the TPU's Pallas one, interpreted.
+    ("w8a8", dict(quantization_config={"smoothquant": False})),
     ("int4", dict(quantization_config={"method": "rtn", "group_size": 16})),
-    # The TPU's Pallas int8 kernel, interpreted, per shard under shard_map.
     ("int8", dict(matmul_backend="pallas_tpu", interpret=True)),
-], ids=["int8", "w8a8", "int4", "int8-pallas"])
+], ids=["w8a8", "int4", "int8-pallas"])
 def test_quantized_tensor_parallel_8_matches_one_device(params, quantization, options):
   """Each weight mode at TP 8 (KV heads duplicated x4) on 8 host devices runs its kernels per
   shard (jinfer/parallel/linear.py: q/k/v/gate/up column parallel, o/down row parallel with
