@@ -25,13 +25,19 @@ index, so nothing is sliced out or copied per expert:
               tile dotted with the matching activation columns, taken from a free
               `[M, K/g, 2, g/2]` view of the activations
 
-HBM traffic is each visited expert's weights in their stored form (packed int4, int8 or float),
-plus scales; no dequantized copy of any expert exists.
+HBM traffic is each visited expert's weights in their stored form (packed int4, int8 or float)
+once per item, its scales, and each item's rows once per column tile; no dequantized copy of any
+expert exists. The grid's first axis is the work item, the fastest-varying in launch order, so
+the items of one expert run side by side on one column tile and at prefill may find its weight
+tile in L2 (not yet measured on a device).
 
 Triton rules (the H100 build checks them): every tile is a power of two >= 16 (bm, bn, bk; the
-quant group size a power of two, bk >= 32 for int4 so each half-tile dot is 16 deep). With
-3 pipeline stages the shared memory per program is about 3 x (bm x bk + bk x bn) x 2 bytes in
-bf16, under the H100's 227 KiB for the defaults (bm <= 64, bn = bk = 128).
+quant group size a power of two, bk >= 32 for int4 so each half-tile dot is 16 deep). Shared
+memory per program is num_stages x (bm x bk + bk x bn) x 2 bytes for bf16 activations and
+weights and must stay within the H100's 227 KiB (232448 bytes): the defaults (bm <= 64,
+bn = bk = 128, 3 stages) take 144 KiB and block_m=128 192 KiB; bm=64 with bn=256 (240 KiB) or
+bk=256 (288 KiB) is refused at 3 stages, bm=128 with bn=256 builds at 2. Packed int4 weight
+tiles take a quarter of the bf16 bytes (the H100 builds bm=256, or bn=256, at 3 stages).
 """
 from __future__ import annotations
 
