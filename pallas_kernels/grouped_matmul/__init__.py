@@ -7,7 +7,7 @@ One entry point, implementations chosen by `backend`:
   xla         batched blocks or a loop over the non-empty groups; what runs on the CPU (see
               xla.py for why)
   pallas_tpu  Mosaic TPU kernel
-  pallas_gpu  Triton GPU kernel (row tiles of 16 for decode batches, see pallas_gpu.py)
+  pallas_gpu  Triton GPU kernel over work items of 16-64 rows of one group (see pallas_gpu.py)
 
 int8 weights come with one float scale per group and output channel: W8A16 (activations stay
 float) or W8A8 (activations quantized per token, int32 accumulation), as in `int8_matmul`.
@@ -70,9 +70,9 @@ def grouped_matmul(
   `quant_group_size` (qg) makes rhs group-wise quantized (see above): `bits` 4 (packed) or 8,
   `scale` and `offset` per expert, row group and output channel.
 
-  `mode` applies to per-channel int8 rhs only. `interpret` runs the Pallas backend in interpret
-  mode (True, or `pltpu.InterpretParams`) so it works on the CPU; the XLA backends run anywhere
-  and ignore it. `block_sizes` go to the implementation (block_m for xla; block_m, block_n,
+  `mode` applies to per-channel int8 rhs only. `interpret` runs the Pallas backends in
+  interpret mode (True, or `pltpu.InterpretParams` for pallas_tpu) so they work on the CPU; the
+  XLA backends run anywhere and ignore it. `block_sizes` go to the implementation (block_m for xla; block_m, block_n,
   block_k for pallas_tpu; those and num_warps, num_stages for pallas_gpu).
   """
   if backend not in _IMPLS:
