@@ -72,8 +72,9 @@ def grouped_matmul(
 
   `mode` applies to per-channel int8 rhs only. `interpret` runs the Pallas backends in
   interpret mode (True, or `pltpu.InterpretParams` for pallas_tpu) so they work on the CPU; the
-  XLA backends run anywhere and ignore it. `block_sizes` go to the implementation (block_m for xla; block_m, block_n,
-  block_k for pallas_tpu; those and num_warps, num_stages for pallas_gpu).
+  XLA backends run anywhere and ignore it. `block_sizes` go to the implementation (block_m for
+  xla; block_m, block_n, block_k for pallas_tpu; those and num_warps, num_stages for
+  pallas_gpu).
   """
   if backend not in _IMPLS:
     raise ValueError(f"unknown grouped matmul backend {backend!r}; choose one of {BACKENDS}")
