@@ -152,7 +152,7 @@ def test_groupwise_matmul_builds(target, bits):
           spec((k // g, n), jnp.float32))
 
 
-@pytest.mark.parametrize("target", TPUS)  # the GPU's grouped matmul is XLA's ragged_dot
+@pytest.mark.parametrize("target", TPUS)
 @pytest.mark.parametrize("quantized", [False, True])
 def test_grouped_matmul_builds(target, quantized):
   """Mixtral-8x7B's experts (8 of 4096 -> 14336, and back), 2 per token, decode and prefill."""
@@ -164,6 +164,42 @@ def test_grouped_matmul_builds(target, quantized):
       scale = spec((8, n), jnp.float32) if quantized else None
       build(lambda x, w, gs, s: grouped_matmul(x, w, gs, s, backend="pallas_tpu"),
             spec((m, k), jnp.bfloat16), rhs, spec((8,)), scale)
+
+
+# MoE expert projections (experts, K, N) with top-k, decode (8 tokens) and prefill (4096):
+# Mixtral-8x7B's gate/up (4096 -> 14336) and down, Qwen3-30B-A3B's fused gate/up (2048 -> 2 x 768)
+# and down.
+EXPERTS = {"mixtral": (2, [(8, 4096, 14336), (8, 14336, 4096)]),
+           "qwen3_30b_a3b": (8, [(128, 2048, 1536), (128, 768, 2048)])}
+
+
+@pytest.mark.parametrize("target", GPUS)
+@pytest.mark.parametrize("model", EXPERTS)
+@pytest.mark.parametrize("kind", ["bf16", "w8a16", "w8a8", "int4", "int8_g128"])
+def test_grouped_matmul_builds_for_gpu(target, model, kind):
+  """Every projection at decode, the first at prefill too. Temporaries: none beyond the
+  per-token int8 activations of W8A8, never a dequantized copy of the experts (one Mixtral
+  expert is 112 MiB in bf16)."""
+  spec = on(devices(target)[0])
+  top_k, projections = EXPERTS[model]
+  qg = 128
+  for tokens, (g, k, n) in [(8, p) for p in projections] + [(4096, projections[0])]:
+    m = top_k * tokens
+    if kind in ("bf16", "w8a16", "w8a8"):
+      rhs = spec((g, k, n), jnp.bfloat16 if kind == "bf16" else jnp.int8)
+      scale = None if kind == "bf16" else spec((g, n), jnp.float32)
+      offset, kw = None, {} if kind == "bf16" else dict(mode=kind)
+    else:
+      bits = 4 if kind == "int4" else 8
+      rhs = spec((g, k // 2, n), jnp.uint8) if bits == 4 else spec((g, k, n), jnp.int8)
+      scale = offset = spec((g, k // qg, n), jnp.float32)
+      kw = dict(bits=bits, quant_group_size=qg)
+    compiled = build(lambda x, w, gs, s, o: grouped_matmul(x, w, gs, s, o, backend="pallas_gpu",
+                                                           **kw),
+                     spec((m, k), jnp.bfloat16), rhs, spec((g,)), scale, offset)
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    bound = (m * (k + 4) if kind == "w8a8" else 0) + (1 << 20)
+    assert temp <= bound, f"{m} rows, {g}x{k}x{n}: {temp / 2**20:.1f} MiB of temps"
 
 
 def test_a_refusal_comes_out_as_one_line():

@@ -1,6 +1,6 @@
-"""Grouped matmul: the oracle against a plain loop, the CPU loop and the TPU kernel (interpret
-mode) against the oracle, over empty groups, one group holding every row, ragged sizes, rows
-past the last group, and int8 weights with per-group, per-channel scales."""
+"""Grouped matmul: the oracle against a plain loop, the CPU loop and the TPU and GPU kernels
+(interpret mode) against the oracle, over empty groups, one group holding every row, ragged
+sizes, rows past the last group, and int8 weights with per-group, per-channel scales."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul import default_backend, grouped_matmul
 from pallas_kernels.int8_matmul import quantize_per_channel
 
 K, N = 200, 72  # neither a multiple of the TPU tiles: padded inside
@@ -21,6 +21,8 @@ K, N = 200, 72  # neither a multiple of the TPU tiles: padded inside
 GROUP_SIZES = [[0, 3, 0, 40, 1], [0, 0, 45, 0, 0], [7, 33, 9, 0, 2], [0, 0, 0, 0, 0]]
 M = 51
 TPU_BLOCKS = dict(block_m=32, block_n=128, block_k=128)
+# Rows per item 16 (M=51 over 5 groups), 2 column tiles (N padded to 128), 4 K steps (K to 256).
+GPU_BLOCKS = dict(block_n=64, block_k=64)
 
 
 def _operands(dtype, quantized: bool, seed: int = 0):
@@ -109,6 +111,48 @@ def test_pallas_tpu_lowers_for_device(mode):
            ).lower(lowering_platforms=("tpu",))
 
 
+@pytest.mark.parametrize("dtype,mode", CASES)
+def test_pallas_gpu_matches_oracle(dtype, mode):
+  _check("pallas_gpu", dtype, mode, interpret=True, **GPU_BLOCKS)
+
+
+# m=6: under one row tile (padded inside), 16 rows per item; m=300: 64 rows per item
+@pytest.mark.parametrize("m", [6, pytest.param(300, marks=_slow)])
+def test_pallas_gpu_random_group_sizes(m):
+  """Random splits of up to m rows over 8 groups, many of them empty, rows left past the last."""
+  rng = np.random.default_rng(m)
+  x = jnp.asarray(rng.standard_normal((m, K)), jnp.float32)
+  w, scale = jax.vmap(quantize_per_channel)(jnp.asarray(rng.standard_normal((8, K, N)) * 0.1))
+  fn = jax.jit(lambda x, w, gs, s: grouped_matmul(x, w, gs, s, backend="pallas_gpu",
+                                                  interpret=True))
+  for _ in range(3):
+    sizes = rng.multinomial(rng.integers(m // 2, m + 1), rng.dirichlet(np.full(8, 0.3)))
+    gs = jnp.asarray(sizes, jnp.int32)
+    got, want = fn(x, w, gs, scale), grouped_matmul(x, w, gs, scale)
+    assert got.shape == (m, N)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5,
+                               err_msg=f"group sizes {sizes}")
+    assert not np.asarray(got[sizes.sum():]).any()
+
+
+@pytest.mark.parametrize("mode", [None, "w8a16", "w8a8"])
+def test_pallas_gpu_lowers_for_device(mode):
+  """Lowering to Triton IR runs on the CPU and catches unsupported ops and block shapes."""
+  quantized = mode is not None
+  fn = jax.jit(lambda x, w, gs, s: grouped_matmul(x, w, gs, s, mode=mode or "w8a16",
+                                                  backend="pallas_gpu"))
+  fn.trace(jax.ShapeDtypeStruct((16, 2048), jnp.bfloat16),
+           jax.ShapeDtypeStruct((8, 2048, 1536), jnp.int8 if quantized else jnp.bfloat16),
+           jax.ShapeDtypeStruct((8,), jnp.int32),
+           jax.ShapeDtypeStruct((8, 1536), jnp.float32) if quantized else None,
+           ).lower(lowering_platforms=("cuda",))
+
+
+def test_default_backend():
+  want = {"cpu": "xla", "tpu": "pallas_tpu", "gpu": "pallas_gpu"}[jax.default_backend()]
+  assert default_backend() == want
+
+
 def test_compiled_on_tpu():
   if jax.default_backend() != "tpu":
     pytest.skip(f"needs a real TPU: on {jax.default_backend()} the kernel only runs interpreted "
@@ -124,6 +168,24 @@ def test_compiled_on_tpu():
                                atol=5e-2, rtol=2e-2)
 
 
+def test_compiled_on_gpu():
+  if jax.default_backend() != "gpu":
+    pytest.skip(f"needs a real GPU: on {jax.default_backend()} the kernel only runs interpreted "
+                "(tested above)")
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((300, 1024)), jnp.bfloat16)
+  w, scale = jax.vmap(quantize_per_channel)(jnp.asarray(rng.standard_normal((8, 1024, 768))))
+  for gs in ([0, 100, 3, 0, 120, 7, 50, 0], [0, 2, 0, 0, 1, 0, 5, 0]):  # prefill, decode rows
+    gs = jnp.asarray(gs, jnp.int32)
+    for s, wt, mode in ((None, w.astype(jnp.bfloat16), "w8a16"), (scale, w, "w8a16"),
+                        (scale, w, "w8a8")):
+      got = jax.jit(lambda *a: grouped_matmul(*a, mode=mode, backend="pallas_gpu"))(
+          x, wt, gs, s)
+      want = grouped_matmul(x, wt, gs, s, mode=mode)
+      np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                 atol=5e-2, rtol=2e-2)
+
+
 def test_bad_arguments_raise():
   x, w, scale = _operands(jnp.float32, True)
   gs = jnp.zeros((5,), jnp.int32)
@@ -135,6 +197,10 @@ def test_bad_arguments_raise():
     grouped_matmul(x, w, gs, scale, backend="cuda")
   with pytest.raises(ValueError, match="expected"):
     grouped_matmul(x, w, gs, scale[:, :4])
+  for blocks in (dict(block_m=48), dict(block_n=8), dict(block_k=0)):  # Triton tiles
+    name = next(iter(blocks))
+    with pytest.raises(ValueError, match=f"{name} must be a power of two >= 16"):
+      grouped_matmul(x, w, gs, scale, backend="pallas_gpu", interpret=True, **blocks)
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """Grouped matmul over group-wise quantized experts (int4 packed, int8; a scale and an offset per
 expert, row group and output channel): the ragged_dot oracle against a float64 loop over the
-experts, the CPU loop and the TPU kernel (interpret mode) against the oracle, over empty experts,
-one expert holding every row, ragged sizes and rows past the last expert; the TPU kernel's K
-tiles holding one quant group or several, and its lowering to Mosaic."""
+experts, the CPU loop and the TPU and GPU kernels (interpret mode) against the oracle, over empty
+experts, one expert holding every row, ragged sizes and rows past the last expert; the kernels'
+K tiles holding one quant group or several, and their lowering to Mosaic and Triton."""
 from __future__ import annotations
 
 import functools
@@ -81,11 +81,11 @@ def test_xla_matches_oracle(bits, dtype, block_m):
                                err_msg=f"group sizes {sizes}")
 
 
-def _check_tpu(bits, dtype, k, qg, group_sizes, interpret=True, n=N, **blocks):
+def _check_kernel(backend, bits, dtype, k, qg, group_sizes, interpret=True, n=N, **blocks):
   (x, q, s, o), _ = _operands(bits, jnp.dtype(dtype), k=k, qg=qg, n=n)
   for sizes in group_sizes:
     gs = jnp.asarray(sizes, jnp.int32)
-    got = _run("pallas_tpu", x, q, gs, s, o, bits, qg, interpret=interpret, **blocks)
+    got = _run(backend, x, q, gs, s, o, bits, qg, interpret=interpret, **blocks)
     want = np.asarray(_run("ragged_dot", x, q, gs, s, o, bits, qg), np.float32)
     assert got.shape == (M, n) and got.dtype == x.dtype
     got = np.asarray(got, np.float32)
@@ -102,8 +102,8 @@ def test_pallas_tpu_reads_groupwise_experts():
   strict interpreter (out-of-bounds reads raise, scratch starts NaN-filled)."""
   pltpu.reset_tpu_interpret_mode_state()
   try:
-    _check_tpu(4, "bfloat16", K, QG, GROUP_SIZES[:1], interpret=pltpu.InterpretParams(),
-               block_m=16, block_n=128, block_k=128)
+    _check_kernel("pallas_tpu", 4, "bfloat16", K, QG, GROUP_SIZES[:1],
+                  interpret=pltpu.InterpretParams(), block_m=16, block_n=128, block_k=128)
   finally:
     pltpu.reset_tpu_interpret_mode_state()
 
@@ -131,7 +131,8 @@ def test_pallas_tpu_matches_oracle(case):
     group_sizes = GROUP_SIZES[2:]
   pltpu.reset_tpu_interpret_mode_state()
   try:
-    _check_tpu(bits, dtype, k, qg, group_sizes, interpret=interpret, n=n, **blocks)
+    _check_kernel("pallas_tpu", bits, dtype, k, qg, group_sizes, interpret=interpret, n=n,
+                  **blocks)
     assert interpret is True or not tpu_interpret.races.races_found
   finally:
     pltpu.reset_tpu_interpret_mode_state()
@@ -151,6 +152,61 @@ def test_pallas_tpu_lowers_for_device(bits, qg, k):
            jax.ShapeDtypeStruct((g,), jnp.int32),
            jax.ShapeDtypeStruct((g, k // qg, n), jnp.float32),
            jax.ShapeDtypeStruct((g, k // qg, n), jnp.float32)).lower(lowering_platforms=("tpu",))
+
+
+# (bits, dtype, K, quant group, N, blocks) and the K tile `k_tile` picks: 2 quant groups per
+# tile (64 of K=192), 2 column tiles (N=72 padded to 128); K padded (208 = 13 groups of 16, in
+# tiles of 32, the least for int4); one group per tile (128, and 64 for int8) with 2 column
+# tiles of 128 (N=200 padded to 256). 51 rows over 5 experts: items of 16 rows.
+GPU_CASES = [
+    pytest.param(4, "float32", K, QG, N, dict(block_n=64), id="int4-f32-g32"),
+    pytest.param(8, "float32", K, QG, N, dict(block_n=64), id="int8-f32-g32"),
+    pytest.param(4, "bfloat16", 208, 16, N, {}, id="int4-bf16-g16-kpad",
+                 marks=pytest.mark.slow),
+    pytest.param(4, "float32", 256, 128, 200, {}, id="int4-f32-g128", marks=pytest.mark.slow),
+    pytest.param(8, "bfloat16", K, 64, 200, dict(block_k=64), id="int8-bf16-g64",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("bits,dtype,k,qg,n,blocks", GPU_CASES)
+def test_pallas_gpu_matches_oracle(bits, dtype, k, qg, n, blocks):
+  _check_kernel("pallas_gpu", bits, dtype, k, qg, GROUP_SIZES + [[0, 0, 0, 0, 0]], n=n,
+                **blocks)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pallas_gpu_lowers_for_device(bits):
+  """Lowering to Triton IR runs on the CPU and catches unsupported ops and block shapes."""
+  g, k, n, qg = 8, 4096, 1536, 128
+  fn = jax.jit(lambda *a: grouped_matmul(*a, bits=bits, quant_group_size=qg,
+                                         backend="pallas_gpu"))
+  fn.trace(jax.ShapeDtypeStruct((16, k), jnp.bfloat16),
+           jax.ShapeDtypeStruct((g, k // 2, n), jnp.uint8) if bits == 4
+           else jax.ShapeDtypeStruct((g, k, n), jnp.int8),
+           jax.ShapeDtypeStruct((g,), jnp.int32),
+           jax.ShapeDtypeStruct((g, k // qg, n), jnp.float32),
+           jax.ShapeDtypeStruct((g, k // qg, n), jnp.float32)).lower(lowering_platforms=("cuda",))
+
+
+def test_compiled_on_gpu():
+  if jax.default_backend() != "gpu":
+    pytest.skip(f"needs a real GPU: on {jax.default_backend()} the kernel only runs interpreted "
+                "(tested above)")
+  rng = np.random.default_rng(0)
+  g, k, n, qg = 8, 1024, 768, 128
+  x = jnp.asarray(rng.standard_normal((300, k)), jnp.bfloat16)
+  scale = jnp.asarray(rng.uniform(0.5, 1.5, (g, k // qg, n)) * 0.01, jnp.float32)
+  offset = -8 * scale
+  for bits in (4, 8):
+    qv = rng.integers(0, 16, (g, k, n)) if bits == 4 else rng.integers(-128, 128, (g, k, n))
+    q = _pack(jnp.asarray(qv), qg) if bits == 4 else jnp.asarray(qv, jnp.int8)
+    for gs in ([0, 100, 3, 0, 120, 7, 50, 0], [0, 2, 0, 0, 1, 0, 5, 0]):  # prefill, decode
+      gs = jnp.asarray(gs, jnp.int32)
+      got = _run("pallas_gpu", x, q, gs, scale, offset, bits, qg)
+      want = _run("ragged_dot", x, q, gs, scale, offset, bits, qg)
+      got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+      np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * np.abs(want).max())
 
 
 def test_compiled_on_tpu():
@@ -191,3 +247,7 @@ def test_bad_arguments_raise():
                                          "quant_group_size=32"):
       grouped_matmul(x, q, gs, s, o, backend="pallas_tpu", interpret=True, block_k=block_k,
                      **kw)
+  (x, q, s, o), _ = _operands(4, jnp.float32, qg=48)  # K=192: 4 groups of 48
+  with pytest.raises(ValueError, match="power-of-two quant_group_size, got 48"):
+    grouped_matmul(x, q, gs, s, o, bits=4, quant_group_size=48, backend="pallas_gpu",
+                   interpret=True)

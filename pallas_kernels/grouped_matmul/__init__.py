@@ -3,10 +3,11 @@ expert computation: one call per projection for every expert's tokens, none drop
 
 One entry point, implementations chosen by `backend`:
 
-  ragged_dot  `jax.lax.ragged_dot`: the oracle, and the GPU path
+  ragged_dot  `jax.lax.ragged_dot`: the oracle
   xla         batched blocks or a loop over the non-empty groups; what runs on the CPU (see
               xla.py for why)
   pallas_tpu  Mosaic TPU kernel
+  pallas_gpu  Triton GPU kernel over work items of 16-64 rows of one group (see pallas_gpu.py)
 
 int8 weights come with one float scale per group and output channel: W8A16 (activations stay
 float) or W8A8 (activations quantized per token, int32 accumulation), as in `int8_matmul`.
@@ -16,8 +17,9 @@ Group-wise quantized weights (`quant_group_size` given; the format of
 [G, K, N] (`bits=8`), with a scale and an offset per expert, group of `quant_group_size` rows
 and output channel, [G, K/quant_group_size, N]. Activations stay float. Every backend takes
 them: ragged_dot dequantizes every expert (the oracle), xla one visited expert at a time, and
-the TPU kernel reads the packed tiles itself (unpacked and dequantized in VMEM, f32
-accumulation; its `block_k` must be a multiple of `quant_group_size`).
+the Pallas kernels read the packed tiles themselves (unpacked and dequantized in VMEM on TPU,
+in registers on GPU, f32 accumulation; the TPU kernel's `block_k` must be a multiple of
+`quant_group_size`, the GPU kernel's quant group size a power of two).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.grouped_matmul.pallas_gpu import grouped_matmul_gpu
 from pallas_kernels.grouped_matmul.pallas_tpu import grouped_matmul_tpu
 from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference
 from pallas_kernels.grouped_matmul.xla import grouped_matmul_xla
@@ -35,6 +38,7 @@ _IMPLS = {
     "ragged_dot": grouped_matmul_reference,
     "xla": grouped_matmul_xla,
     "pallas_tpu": grouped_matmul_tpu,
+    "pallas_gpu": grouped_matmul_gpu,
 }
 BACKENDS = tuple(_IMPLS)
 MODES = ("w8a16", "w8a8")
@@ -43,7 +47,7 @@ __all__ = ["BACKENDS", "MODES", "default_backend", "grouped_matmul"]
 
 
 def default_backend() -> str:
-  return {"tpu": "pallas_tpu", "gpu": "ragged_dot"}.get(jax.default_backend(), "xla")
+  return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
 
 
 def grouped_matmul(
@@ -66,10 +70,11 @@ def grouped_matmul(
   `quant_group_size` (qg) makes rhs group-wise quantized (see above): `bits` 4 (packed) or 8,
   `scale` and `offset` per expert, row group and output channel.
 
-  `mode` applies to per-channel int8 rhs only. `interpret` runs the Pallas backend in interpret
-  mode (True, or `pltpu.InterpretParams`) so it works on the CPU; the XLA backends run anywhere
-  and ignore it. `block_sizes` go to the implementation (block_m for xla; block_m, block_n,
-  block_k for pallas_tpu).
+  `mode` applies to per-channel int8 rhs only. `interpret` runs the Pallas backends in
+  interpret mode (True, or `pltpu.InterpretParams` for pallas_tpu) so they work on the CPU; the
+  XLA backends run anywhere and ignore it. `block_sizes` go to the implementation (block_m for
+  xla; block_m, block_n, block_k for pallas_tpu; those and num_warps, num_stages for
+  pallas_gpu).
   """
   if backend not in _IMPLS:
     raise ValueError(f"unknown grouped matmul backend {backend!r}; choose one of {BACKENDS}")
@@ -96,7 +101,7 @@ def grouped_matmul(
   kw = dict(mode=mode, **block_sizes)
   if quant_group_size is not None:
     kw.update(offset=offset, bits=bits, quant_group_size=quant_group_size)
-  if backend == "pallas_tpu":
+  if backend.startswith("pallas"):
     kw["interpret"] = interpret
   return _IMPLS[backend](lhs, rhs, group_sizes.astype(jnp.int32), scale, **kw)
 
