@@ -249,8 +249,8 @@ def test_kv_cache_dtype_resolves():
   for name in ("int8", "fp8"):
     assert EngineConfig.of(kv_cache_dtype=name).resolve(config, platform="tpu").cache.page_size \
         == 128
-    assert EngineConfig.of(kv_cache_dtype=name).resolve(config, platform="gpu").cache.page_size \
-        == 16
+    assert EngineConfig.of(kv_cache_dtype=name, attention_backend="xla").resolve(
+        config, platform="gpu").cache.page_size == 16  # head_dim 8: not the Triton kernel's
     with pytest.raises(ParameterError, match="page_size a multiple of 128"):
       EngineConfig.of(kv_cache_dtype=name, page_size=16).resolve(config, platform="tpu")
   assert EngineConfig.of().resolve(config, platform="tpu").cache.page_size == 16

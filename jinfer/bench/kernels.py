@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
   if "int4_matmul" not in args.skip:
     results += bench_int4_matmul(args, backends, interpret)
   if "grouped_matmul" not in args.skip:
-    gmm_backends = {"tpu": ["pallas_tpu"], "gpu": []}.get(plat, ["pallas_tpu"])
+    gmm_backends = {"tpu": ["pallas_tpu"], "gpu": ["pallas_gpu"]}.get(plat, ["pallas_tpu"])
     results += bench_grouped_matmul(args, gmm_backends, interpret)
   report = dict(
       machine=dict(platform=plat, device_kind=jax.devices()[0].device_kind,

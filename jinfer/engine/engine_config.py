@@ -34,7 +34,7 @@ from pallas_kernels import KVCacheSpec
 # for a TPU on a CPU machine must pick the TPU's kernels).
 PLATFORM_DEFAULTS = {
     "tpu": ("pallas_tpu", "pallas_tpu", "pallas_tpu", "pallas_tpu", "reference"),
-    "gpu": ("pallas_gpu", "pallas_gpu", "ragged_dot", "pallas_gpu", "reference"),
+    "gpu": ("pallas_gpu", "pallas_gpu", "pallas_gpu", "pallas_gpu", "reference"),
 }
 CPU_DEFAULTS = ("xla", "xla", "xla", "xla", "xla_cpu")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
