@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -16,6 +17,7 @@ from jinfer.engine.block_manager import BlockManager
 from jinfer.engine.compile_guard import CompileGuard, CompileOnServingPath
 from jinfer.engine.engine_config import EngineConfig, default_dtype
 from jinfer.engine.expert_load import ExpertLoad
+from jinfer.engine.lora_slots import AdapterSlots, LoRARequest, pad_adapter
 from jinfer.engine.request import (CompletionOutput, RequestMetrics, RequestOutput, Sequence,
                                    Status)
 from jinfer.engine.runner import ModelRunner
@@ -23,6 +25,8 @@ from jinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jinfer.engine.step_compiler import StepCompiler
 from jinfer.engine.step_input import MAX_BANNED, RowError, StepInput, build_step_input
 from jinfer.engine import weight_quantization
+from jinfer.models import linear_kernels, param_shapes
+from jinfer.models.lora import empty_slots, target_shapes
 from jinfer.parallel.mesh import make_mesh
 from jinfer.parallel.sharding import check_tensor_parallel, duplicate_kv_heads
 from jinfer.sampling.grammar import GrammarCompiler
@@ -146,8 +150,15 @@ class LLMEngine:
         devices is None or len({d.process_index for d in devices}) > 1)
     if spec is not None and spans_processes:
       raise ValueError("speculative decoding does not run on several processes yet")
+    lora = config.lora
+    if lora.enable_lora and spans_processes:
+      raise ParameterError("enable_lora", "LoRA adapters do not run on several processes yet")
+    # Its slot writes go to the runner's device slots (made below).
+    self.adapters = (AdapterSlots(lora, model_config, lambda slot, a: self.runner.write_adapter(
+        slot, self._lora_pad(a))) if lora.enable_lora else None)
     self.scheduler = Scheduler(config.scheduler, self.blocks, config.max_pages_per_seq,
-                               lookahead=self._lookahead if spec is not None else None)
+                               lookahead=self._lookahead if spec is not None else None,
+                               adapters=self.adapters)
     if spans_processes and (par.data_parallel_size > 1 or
                             par.devices_per_engine != jax.device_count()):
       raise ValueError(f"with several processes the mesh spans every device: "
@@ -179,6 +190,14 @@ class LLMEngine:
       # Positions are depths: a tree's are fewer than its nodes.
       self.spec_stats = SpecStats(self.proposer.max_depth)
     del params  # the proposer took what it shares; the runner keeps the params it runs
+    lora_slots = None
+    if lora.enable_lora:
+      targets = target_shapes(param_shapes(run_config), linear_kernels(run_config))
+      self._lora_pad = functools.partial(
+          pad_adapter, targets=targets, max_rank=lora.max_lora_rank,
+          head_dim=model_config.head_dim,
+          kv_repeat=run_config.num_kv_heads // model_config.num_kv_heads)
+      lora_slots = empty_slots(targets, lora.max_loras, lora.max_lora_rank, dtype)
     self.runner = ModelRunner(run_config, run_params, config.kv_spec(run_config),
                               self.buckets, kv_groups=config.kv_groups, kernels=kernels,
                               dtype=dtype,
@@ -186,7 +205,10 @@ class LLMEngine:
                               unroll_scan=config.unroll_scan, mesh=mesh,
                               expert_parallel=par.enable_expert_parallel,
                               in_step=self.proposer and self.proposer.in_step,
-                              in_step_weights=self.proposer and self.proposer.in_step_weights)
+                              in_step_weights=self.proposer and self.proposer.in_step_weights,
+                              lora_slots=lora_slots)
+    if lora.enable_lora:  # compiles the slot writer now, not when the first adapter comes
+      self.runner.write_adapter(0, self._lora_pad(None))
     self.groups: dict[str, _Group] = {}
     # Disaggregated serving (jinfer/engine/disaggregated.py): a prefill engine parks each
     # sequence once its prompt is computed and its first token sampled, pages held, in
@@ -331,15 +353,41 @@ class LLMEngine:
                            "prompt_logprobs needs the engine option enable_prompt_logprobs=True")
     return matcher
 
+  def add_lora(self, lora_request: LoRARequest) -> None:
+    """Check and load an adapter into host memory ahead of its requests (vLLM's `add_lora`);
+    a request's own `lora_request` does the same."""
+    if self.adapters is None:
+      raise ParameterError("lora_request", "this engine serves no LoRA adapters: start it with "
+                           "enable_lora=True")
+    self.adapters.register(lora_request)
+
+  def remove_lora(self, lora_int_id: int) -> bool:
+    """Forget an adapter (its slot is freed once no running request uses it); False if
+    unknown. Requests already queued with it run to the end."""
+    if self.adapters is None or lora_int_id not in self.adapters.known:
+      return False
+    self.adapters.unregister(lora_int_id)
+    return True
+
+  def list_loras(self) -> list[LoRARequest]:
+    return [] if self.adapters is None else list(self.adapters.known.values())
+
   def add_request(self, request_id: str | None, prompt: str | list[int],
                   params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                  cache_salt: str | None = None) -> str:
+                  cache_salt: str | None = None,
+                  lora_request: LoRARequest | None = None) -> str:
     params = params or SamplingParams()
     request_id = str(next(self._ids)) if request_id is None else str(request_id)
     if request_id in self.groups:
       raise ValueError(f"request id {request_id!r} is already in use")
     ids = self.tokenize(prompt)
     matcher = self.validate(ids, params)
+    lora_id = None
+    if lora_request is not None:
+      self.add_lora(lora_request)
+      lora_id = lora_request.lora_int_id
+      # The prefix cache is keyed by adapter: its K/V differs from the base model's.
+      cache_salt = (cache_salt, "lora", lora_id, lora_request.lora_path)
     seed = params.seed if params.seed is not None else int(self._seed_rng.integers(1 << 31))
     metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
     seqs: list[Sequence] = []
@@ -348,7 +396,8 @@ class LLMEngine:
                      group_id=request_id, index=i, prompt_token_ids=list(ids), params=params,
                      seed=(seed + i * 0x9E3779B1) & 0xFFFFFFFF,
                      metrics=metrics if i == 0 else dataclasses.replace(metrics, token_times=[]),
-                     cache_salt=cache_salt, wait_for=seqs[0] if seqs else None,
+                     cache_salt=cache_salt, lora_id=lora_id,
+                     wait_for=seqs[0] if seqs else None,
                      spec_state=self.proposer and self.proposer.new_state(),
                      matcher=matcher if matcher is None or i == 0 else matcher.deep_copy())
       if self.tokenizer is not None:

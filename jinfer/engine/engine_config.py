@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from jinfer.config import ModelConfig
 from jinfer.engine.kv_transfer import NAME as KV_TRANSFER, KVTransferConfig
+from jinfer.engine.lora_slots import LoRAConfig
 from jinfer.engine.scheduler import SchedulerConfig
 from jinfer.engine.speculative.config import SpeculativeConfig
 from jinfer.engine.step_input import Buckets
@@ -140,7 +141,7 @@ class KernelConfig:
 
 
 SECTIONS = {"model": ModelOptions, "cache": CacheConfig, "scheduler": SchedulerConfig,
-            "parallel": ParallelConfig, "kernels": KernelConfig}
+            "parallel": ParallelConfig, "kernels": KernelConfig, "lora": LoRAConfig}
 SPECULATIVE = "speculative_config"  # the flat name of the `speculative` section
 
 
@@ -159,6 +160,7 @@ class EngineConfig:
   scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
   parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
   kernels: KernelConfig = dataclasses.field(default_factory=KernelConfig)
+  lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
   speculative: SpeculativeConfig | None = None  # None: no speculative decoding
   # Prefill and decode on separate device groups (`kv_transfer_config`); None: colocated.
   kv_transfer: KVTransferConfig | None = None
@@ -177,6 +179,12 @@ class EngineConfig:
         raise ParameterError(SPECULATIVE, "a draft model's own KV cache is not handed over "
                              "by kv_transfer_config: decode-side speculation takes 'ngram' or "
                              "'medusa'")
+    if self.lora.enable_lora:
+      if self.kv_transfer is not None:
+        raise ParameterError("enable_lora", "LoRA adapters are not handed over by "
+                             "kv_transfer_config yet: serve them colocated")
+      if not self.scheduler.continuous_batching:
+        raise ParameterError("enable_lora", "LoRA adapters need continuous_batching=True")
     if cp > 1 and self.speculative is not None and self.speculative.verifies_tree:
       raise ParameterError(SPECULATIVE, f"{self.speculative.method} verifies a tree, which does "
                            f"not run with context parallelism yet: the ring attention takes no "
@@ -276,6 +284,7 @@ class ResolvedConfig:
   parallel = property(lambda self: self.config.parallel)
   kernels = property(lambda self: self.config.kernels)
   speculative = property(lambda self: self.config.speculative)
+  lora = property(lambda self: self.config.lora)
 
   @property
   def num_draft_rows(self) -> int:
@@ -292,6 +301,7 @@ class ResolvedConfig:
                    smallest_bucket=1 if cp == 1 else 2 * cp,
                    num_speculative_tokens=self.num_draft_rows,
                    num_kv_groups=self.kv_groups.num_groups,
+                   max_loras=self.lora.max_loras if self.lora.enable_lora else 0,
                    tree=None if self.speculative is None else self.speculative.tree())
 
   @property

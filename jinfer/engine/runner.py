@@ -22,6 +22,7 @@ from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_st
 from jinfer.models import CausalLM, linear_kernels, logical_axes, unstack_layers
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.models.kv_groups import KVGroups
+from jinfer.models.lora import lora_targets
 from jinfer.parallel import distributed, sharding
 from jinfer.quant.qarray import param_bytes
 from jinfer.sampling.sample import SampleOutput, sample
@@ -74,15 +75,17 @@ def keep_path(kv_cache: jax.Array, md: AttentionMetadata, out: VerifyOutput) -> 
 
 
 def _step(model: CausalLM, in_step: InStep | None, params, kv_cache, inp: StepInput,
-          drafts: jax.Array | None, weights: dict | None) -> tuple:
+          drafts: jax.Array | None, weights: dict | None, lora: dict | None) -> tuple:
   """`in_step` (static) and its `weights`: the target proposes its next step's drafts too, and
-  verifies them as a tree."""
+  verifies them as a tree. `lora`: the adapter slots (jinfer/models/lora.py), which the step's
+  rows pick from by `inp.lora`."""
   token_ids = inp.token_ids
   if drafts is not None:  # a device proposer's tokens take their verify rows
     token_ids = token_ids.at[inp.verify.draft_rows].set(drafts, mode="drop")
-  apply = functools.partial(model.apply, {"params": params}, token_ids, inp.positions,
+  variables = {"params": params} | ({} if lora is None else {"lora": lora})
+  apply = functools.partial(model.apply, variables, token_ids, inp.positions,
                             kv_cache, inp.md, return_hidden=in_step is not None,
-                            mutable=["expert_load"])
+                            lora=inp.lora, mutable=["expert_load"])
   propose = lambda h: None if in_step is None else in_step.propose(weights, params, h)
   if inp.verify is not None:
     vt = inp.verify.tensors
@@ -114,9 +117,9 @@ def _step(model: CausalLM, in_step: InStep | None, params, kv_cache, inp: StepIn
 
 
 def jit_step(model: CausalLM, in_step: InStep | None = None, out_shardings=None) -> Callable:
-  """`model`'s step, jitted: `(params, kv_cache, step_input, drafts, in_step_weights) ->
-  (StepOutput, kv_cache)`. The cache is donated: XLA updates it in place instead of copying it
-  every step."""
+  """`model`'s step, jitted: `(params, kv_cache, step_input, drafts, in_step_weights,
+  lora_slots) -> (StepOutput, kv_cache)`. The cache is donated: XLA updates it in place instead
+  of copying it every step."""
   return jax.jit(functools.partial(_step, model, in_step), donate_argnums=(1,),
                  out_shardings=out_shardings)
 
@@ -153,12 +156,19 @@ class ModelRunner:
                unroll_scan: bool = False,
                in_step: InStep | None = None, in_step_weights: dict | None = None,
                mesh: Mesh | None = None,
-               expert_parallel: bool = False):
+               expert_parallel: bool = False, lora_slots: dict | None = None):
+    """`lora_slots`: the adapter slots, empty (`jinfer.models.lora.empty_slots`), when the
+    engine serves adapters."""
     self.config, self.spec, self.buckets, self.mesh = config, spec, buckets, mesh
     out_shardings = None
+    lora_sharding = None
     if mesh is not None:
       params = sharding.shard_params(params, logical_axes(config), mesh, expert_parallel,
                                      linear=linear_kernels(config))
+      if lora_slots is not None:
+        specs = sharding.lora_slot_specs(logical_axes(config), linear_kernels(config),
+                                         lora_targets(lora_slots))
+        lora_sharding = jax.tree.map(lambda p: NamedSharding(mesh, p), specs)
       kv_sharding, out_shardings = step_shardings(mesh, spec.quantized)
       # Sharded params run the scanned stack only: the CPU's per-layer views are single-device
       # arrays that would drop the sharding, and off the CPU the scan reads its weights in
@@ -173,6 +183,13 @@ class ModelRunner:
       kv_sharding = SingleDeviceSharding(next(iter(leaf.devices())) if isinstance(leaf, jax.Array)
                                          else jax.devices()[0])
       params = jax.device_put(params, kv_sharding)
+      lora_sharding = kv_sharding
+    # Written one slot at a time by a donated update: an adapter's load compiles nothing.
+    self.lora = None if lora_slots is None else jax.device_put(lora_slots, lora_sharding)
+    self._write_slot = jax.jit(
+        lambda slots, slot, new: jax.tree.map(lambda s, n: s.at[:, slot].set(n.astype(s.dtype)),
+                                              slots, new),
+        donate_argnums=(0,), out_shardings=lora_sharding)
     self.unrolled_max_tokens = unrolled_max_tokens
     self.in_step_weights = in_step_weights
     jit = lambda model: jit_step(model, in_step, out_shardings)
@@ -238,7 +255,7 @@ class ModelRunner:
     with self._preparing(shape):
       v.step.lower(v.params, self.kv_cache,
                    to_step_input(empty_step_input(b, t, prompt_lp, verify), b), drafts,
-                   self.in_step_weights).compile()
+                   self.in_step_weights, self.lora).compile()
 
   def variant(self, num_tokens: int) -> Variant:
     """What a step of `num_tokens` (a bucket) runs."""
@@ -249,7 +266,8 @@ class ModelRunner:
   def _run(self, inp: StepInput, drafts: jax.Array | None) -> StepOutput:
     v = self.variant(inp.token_ids.shape[0])
     try:
-      out, self.kv_cache = v.step(v.params, self.kv_cache, inp, drafts, self.in_step_weights)
+      out, self.kv_cache = v.step(v.params, self.kv_cache, inp, drafts, self.in_step_weights,
+                                  self.lora)
     except Exception:
       # The cache was donated to the failed call: if XLA consumed it, start from an empty one
       # (the caller must then treat every cached token as gone).
@@ -258,6 +276,10 @@ class ModelRunner:
         self.cache_resets += 1
       raise
     return jax.tree.map(np.asarray, out)
+
+  def write_adapter(self, slot: int, weights: dict) -> None:
+    """Put one adapter's weights (`lora_slots.pad_adapter`'s tree) in device slot `slot`."""
+    self.lora = self._write_slot(self.lora, np.int32(slot), weights)
 
   def _announce(self, variant: int, inp: StepInput | None = None):
     distributed.broadcast(np.asarray([variant], np.int32), is_source=True)

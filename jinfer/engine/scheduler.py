@@ -22,6 +22,7 @@ import time
 from typing import Callable
 
 from jinfer.engine.block_manager import BlockManager
+from jinfer.engine.lora_slots import AdapterSlots
 from jinfer.errors import ParameterError
 from jinfer.engine.request import Sequence, Status
 
@@ -63,8 +64,11 @@ class ScheduledBatch:
 class Scheduler:
 
   def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_pages_per_seq: int,
-               lookahead: Callable[[Sequence], int] | None = None):
+               lookahead: Callable[[Sequence], int] | None = None,
+               adapters: AdapterSlots | None = None):
     self.config, self.blocks = config, blocks
+    # LoRA: a sequence with an adapter holds its device slot while admitted.
+    self.adapters = adapters
     self.max_pages_per_seq = max_pages_per_seq
     self.lookahead = lookahead  # draft rows a decoding sequence may verify this step
     self.waiting: collections.deque[Sequence] = collections.deque()
@@ -93,6 +97,9 @@ class Scheduler:
     for pages in seq.pages:
       self.blocks.release(pages)
     seq.pages, seq.pages_offered = [], 0
+    if seq.lora_slot is not None:
+      self.adapters.release(seq.lora_slot)
+      seq.lora_slot = None
 
   def _grow(self, seq: Sequence, num_new: int) -> bool:
     """Pages for `num_new` more tokens in every group, all or none."""
@@ -219,6 +226,11 @@ class Scheduler:
       if lead is not None and not lead.finished and lead.num_computed_tokens < len(lead.prompt_token_ids):
         skipped.append(self.waiting.popleft())  # a sibling: wait for the lead's prompt pages
         continue
+      if seq.lora_id is not None and seq.lora_slot is None:
+        seq.lora_slot = self.adapters.acquire(seq.lora_id)
+        if seq.lora_slot is None:  # every slot busy with running adapters: the others go on
+          skipped.append(self.waiting.popleft())
+          continue
       if not seq.pages:
         self._match_prefix(seq)
       remaining = seq.num_tokens - seq.num_computed_tokens

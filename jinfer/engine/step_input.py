@@ -30,6 +30,7 @@ from jinfer.sampling.accept import VerifyTensors
 from jinfer.sampling.grammar import mask_words
 from jinfer.engine.request import Sequence
 from jinfer.engine.scheduler import ScheduledBatch
+from jinfer.models.lora import LoraRows, lora_rows
 from jinfer.sampling.sample import SamplingTensors
 from jinfer.sampling.tree import Tree
 from pallas_kernels import AttentionMetadata
@@ -53,6 +54,7 @@ class StepInput:
   sampling: SamplingTensors
   target_ids: jax.Array  # [T] int32: the token each row predicts (for prompt logprobs)
   verify: VerifyInput | None = None  # a verify step (speculative decoding)
+  lora: LoraRows | None = None  # each row's adapter slot, in an engine that serves adapters
   # Static: project every row to logits and return prompt logprobs.
   prompt_logprobs: bool = struct.field(pytree_node=False, default=False)
 
@@ -82,6 +84,7 @@ class Buckets:
   # KV groups (jinfer/models/kv_groups.py): the step carries a block table [G, S, P] and a slot
   # mapping [G, T], one per group.
   num_kv_groups: int = 1
+  max_loras: int = 0  # adapter slots (jinfer/models/lora.py); 0: the step carries no adapters
 
   @property
   def token_buckets(self) -> list[int]:
@@ -141,7 +144,8 @@ def empty_step_input(b: Buckets, t: int, prompt_logprobs: bool = False,
       history=np.full((s, b.max_model_len), -1, np.int32), prompt_lens=z(s),
       banned=np.full((s, MAX_BANNED), -1, np.int32), num_logprobs=z(s), target_ids=z(t),
       prompt_logprobs=prompt_logprobs,
-      allowed=np.full((masks, mask_words(b.vocab_size)), -1, np.int32) if b.vocab_size else None)
+      allowed=np.full((masks, mask_words(b.vocab_size)), -1, np.int32) if b.vocab_size else None,
+      lora_slot=np.full(t, -1, np.int32) if b.max_loras else None)
 
 
 def to_step_input(a: dict, b: Buckets) -> StepInput:
@@ -159,9 +163,11 @@ def to_step_input(a: dict, b: Buckets) -> StepInput:
   sampling = pick(SamplingTensors)
   if verify is not None:  # its masks are per logits row, in the verify tensors
     sampling = sampling.replace(allowed=None)
+  lora = None if a["lora_slot"] is None else LoraRows(**lora_rows(a["lora_slot"], b.max_loras))
   return StepInput(token_ids=a["token_ids"], positions=a["positions"], md=md,
                    logits_indices=a["logits_indices"], sampling=sampling,
-                   target_ids=a["target_ids"], verify=verify, prompt_logprobs=a["prompt_logprobs"])
+                   target_ids=a["target_ids"], verify=verify, lora=lora,
+                   prompt_logprobs=a["prompt_logprobs"])
 
 
 def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
@@ -214,6 +220,8 @@ def build_step_input(batch: ScheduledBatch, b: Buckets, page_size: int,
         row[lo:len(pages)] = pages[lo:]
         a["slot_mapping"][g, off:off + n] = row[pos // page_size] * page_size + pos % page_size
       a["kv_lens"][i] = start + n
+      if seq.lora_slot is not None:
+        a["lora_slot"][off:off + n] = seq.lora_slot
       off += n
       a["cu_q_lens"][i + 1] = off
       a["logits_indices"][i] = off - 1

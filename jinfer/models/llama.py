@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 from jinfer.config import ModelConfig
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.models.kv_groups import KVGroups
+from jinfer.models.lora import LoraRows, lora_delta
 from jinfer.models.moe import MoE
 from jinfer.models.params import LinearKernel, default_init as _init, kernel as _kernel, param as _param
 from jinfer.quant.groupwise import GroupwiseArray
@@ -84,7 +85,9 @@ class Linear(nn.Module):
   dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, lora: LoraRows | None = None) -> jax.Array:
+    """`lora`: the rows' adapter slots, when the `lora` collection has this layer's slots
+    (jinfer/models/lora.py); the adapters stay float over a quantized kernel."""
     out_shape = self.shape[self.n_in:]
     n_out = len(out_shape)
     if self.kernels.quantization in INT8_KERNELS:
@@ -117,6 +120,12 @@ class Linear(nn.Module):
         y = mm(x.reshape(-1, k), w.values, w.scale).reshape(lead + out_shape)
     else:
       y = dense_matmul(x, w, n_in=self.n_in, backend=self.kernels.dense)
+    if lora is not None and self.has_variable("lora", "a"):
+      kn = self.kernels
+      y = y + lora_delta(x.reshape(-1, k), self.get_variable("lora", "a"),
+                         self.get_variable("lora", "b"), lora, backend=kn.grouped_matmul,
+                         interpret=kn.interpret, masked=mesh is not None
+                         ).reshape(lead + out_shape).astype(y.dtype)
     if self.use_bias:
       y = y + _param(self, "bias", out_shape, self.axes[self.n_in:], self.dtype,
                      nn.initializers.zeros).astype(y.dtype)
@@ -178,15 +187,16 @@ class Attention(nn.Module):
   dtype: Any
 
   @nn.compact
-  def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata, layer: LayerInputs):
+  def __call__(self, x, cos, sin, kv_cache, md: AttentionMetadata, layer: LayerInputs,
+               lora: LoraRows | None = None):
     c, kn = self.config, self.kernels
     e, hq, hkv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     q = Linear((e, hq, d), ("embed", "q_heads", "head_dim"), kn, use_bias=c.attention_bias,
-               dtype=self.dtype, name="q_proj")(x)  # [T, Hq, D]
+               dtype=self.dtype, name="q_proj")(x, lora)  # [T, Hq, D]
     k = Linear((e, hkv, d), ("embed", "kv_heads", "head_dim"), kn, use_bias=c.attention_bias,
-               dtype=self.dtype, name="k_proj")(x)  # [T, Hkv, D]
+               dtype=self.dtype, name="k_proj")(x, lora)  # [T, Hkv, D]
     v = Linear((e, hkv, d), ("embed", "kv_heads", "head_dim"), kn, use_bias=c.attention_bias,
-               dtype=self.dtype, name="v_proj")(x)  # [T, Hkv, D]
+               dtype=self.dtype, name="v_proj")(x, lora)  # [T, Hkv, D]
     if c.qk_norm:
       q = _norm(c, self.dtype, "q_norm", d)(q)
       k = _norm(c, self.dtype, "k_norm", d)(k)
@@ -202,7 +212,7 @@ class Attention(nn.Module):
                                   backend=kn.attention, interpret=kn.interpret, mesh=kn.mesh,
                                   context_layout=kn.context_layout)
     out = Linear((hq, d, e), ("q_heads", "head_dim", "embed"), kn, n_in=2, dtype=self.dtype,
-                 name="o_proj")(o)  # [T, E]
+                 name="o_proj")(o, lora)  # [T, E]
     return out, kv_cache
 
 
@@ -213,14 +223,14 @@ class MLP(nn.Module):
   features: int | None = None  # the hidden width; default `intermediate_size`
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, lora: LoraRows | None = None):
     e, f, kn = self.config.hidden_size, self.features or self.config.intermediate_size, self.kernels
-    gate = Linear((e, f), ("embed", "mlp"), kn, dtype=self.dtype, name="gate_proj")(x)
-    up = Linear((e, f), ("embed", "mlp"), kn, dtype=self.dtype, name="up_proj")(x)
+    gate = Linear((e, f), ("embed", "mlp"), kn, dtype=self.dtype, name="gate_proj")(x, lora)
+    up = Linear((e, f), ("embed", "mlp"), kn, dtype=self.dtype, name="up_proj")(x, lora)
     act = nn.silu if self.config.hidden_act == "silu" else functools.partial(
         nn.gelu, approximate=True)  # gelu_pytorch_tanh
     return Linear((f, e), ("mlp", "embed"), kn, dtype=self.dtype,
-                  name="down_proj")(act(gate) * up)
+                  name="down_proj")(act(gate) * up, lora)
 
 
 def _moe(config: ModelConfig, kernels: KernelOptions, dtype, **kw) -> MoE:
@@ -236,12 +246,13 @@ class DecoderLayer(nn.Module):
   dtype: Any
 
   @nn.compact
-  def __call__(self, carry, layer: LayerInputs, cos, sin, md, live, ffn_stacks):
+  def __call__(self, carry, layer: LayerInputs, cos, sin, md, live, ffn_stacks,
+               lora: LoraRows | None = None):
     """-> ((x, kv_cache), this layer's expert load [experts] int32, or None in a dense model)."""
     x, kv_cache = carry  # [T, E], the whole cache
     c, kn = self.config, self.kernels
     h, kv_cache = Attention(c, kn, self.dtype, name="attn")(
-        _norm(c, self.dtype, "input_norm")(x), cos, sin, kv_cache, md, layer)
+        _norm(c, self.dtype, "input_norm")(x), cos, sin, kv_cache, md, layer, lora)
     if c.sandwich_norms:
       h = _norm(c, self.dtype, "attn_out_norm")(h)
     x = x + h
@@ -251,27 +262,31 @@ class DecoderLayer(nn.Module):
     load = None
     if ffn_stacks is not None:  # dense and MoE layers mix: this layer's own from its kind's stack
       own = lambda stack: jax.tree.map(lambda a: a[layer.ffn_index], stack)
+      dense = {"params": own(ffn_stacks["mlp_layers"])}
+      if "lora_mlp_layers" in ffn_stacks:  # the dense layers' adapter slots
+        dense["lora"] = own(ffn_stacks["lora_mlp_layers"])
       y, load = jax.lax.cond(
           layer.moe,
           lambda: _moe(c, kn, self.dtype).apply({"params": own(ffn_stacks["moe_layers"])}, y, live),
-          lambda: (MLP(c, kn, self.dtype).apply({"params": own(ffn_stacks["mlp_layers"])}, y),
+          lambda: (MLP(c, kn, self.dtype).apply(dense, y, lora),
                    jnp.zeros((c.num_experts,), jnp.int32)))
     elif any(c.moe_layers):
       y, load = _moe(c, kn, self.dtype, name="moe")(y, live)
     else:
-      y = MLP(c, kn, self.dtype, name="mlp")(y)
+      y = MLP(c, kn, self.dtype, name="mlp")(y, lora)
     if c.sandwich_norms:
       y = _norm(c, self.dtype, "ffn_out_norm")(y)
     return (x + y, kv_cache), load
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _decoder_layer(config: ModelConfig, kernels: KernelOptions, dtype, params, *args):
+def _decoder_layer(config: ModelConfig, kernels: KernelOptions, dtype, params, lora, *args):
   """One unrolled layer, jitted so that its trace is made once and reused by every layer (the
   layers differ only in params and their scanned `LayerInputs`, all traced). Tracing 30 layers
   one by one took most of the 1.3 s a cached one-token SmolLM2 step needed before it ran; XLA
-  inlines the calls, so the compiled step is the same."""
-  return DecoderLayer(config, kernels, dtype).apply({"params": params}, *args)
+  inlines the calls, so the compiled step is the same. `lora`: the layer's adapter slots."""
+  variables = {"params": params} | ({} if lora is None else {"lora": lora})
+  return DecoderLayer(config, kernels, dtype).apply(variables, *args)
 
 
 def _mixed_ffn(config: ModelConfig) -> bool:
@@ -330,6 +345,7 @@ class CausalLM(nn.Module):
       md: AttentionMetadata,  # block_table [G, S, P], slot_mapping [G, T] with kv_groups
       logits_indices: jax.Array | None = None,  # [S] rows to project to logits
       return_hidden: bool = False,
+      lora: LoraRows | None = None,  # the rows' adapters, with the `lora` collection's slots
   ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """(logits [S or T, V] float32, final hidden states of the same rows [S or T, E] when
     `return_hidden` (else None), the updated cache)."""
@@ -367,23 +383,29 @@ class CausalLM(nn.Module):
                                  _moe(c, self.kernels, self.dtype), row, jnp.ones((1,), bool)),
           "mlp_layers": _stacked(self, "mlp_layers", c.num_layers - len(moe_ids),
                                  MLP(c, self.kernels, self.dtype), row)}
+      if self.has_variable("lora", "mlp_layers"):
+        ffn_stacks["lora_mlp_layers"] = self.get_variable("lora", "mlp_layers")
     if self.scan_layers:
-      stack = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-                      in_axes=(0,) + (nn.broadcast,) * 5,
+      stack = nn.scan(DecoderLayer, variable_axes={"params": 0, "lora": 0},
+                      split_rngs={"params": True}, in_axes=(0,) + (nn.broadcast,) * 6,
                       length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"},
                       unroll=c.num_layers if self.unroll_scan else 1)
       (x, kv_cache), loads = stack(c, self.kernels, self.dtype, name="layers")(
-          (x, kv_cache), layers, cos, sin, md, live, ffn_stacks)
+          (x, kv_cache), layers, cos, sin, md, live, ffn_stacks, lora)
     else:
+      # The adapter slots stay stacked (they change while the engine runs, so no per-layer
+      # views of them): each layer takes its slice.
+      slots = self.get_variable("lora", "layers") if self.has_variable("lora", "layers") else None
       loads = []
       for i in range(c.num_layers):
         args = ((x, kv_cache), jax.tree.map(lambda a: a[i], layers), cos, sin, md, live,
-                ffn_stacks)
+                ffn_stacks, lora)
         if self.is_initializing():
           (x, kv_cache), load = DecoderLayer(c, self.kernels, self.dtype, name=f"layers_{i}")(*args)
         else:  # traced once for every layer: see `_decoder_layer`
-          (x, kv_cache), load = _decoder_layer(c, self.kernels, self.dtype,
-                                               self.variables["params"][f"layers_{i}"], *args)
+          (x, kv_cache), load = _decoder_layer(
+              c, self.kernels, self.dtype, self.variables["params"][f"layers_{i}"],
+              None if slots is None else jax.tree.map(lambda a: a[i], slots), *args)
         loads.append(load)
       loads = jnp.stack(loads) if any(c.moe_layers) else None
     if loads is not None:  # [L, experts] -> the MoE layers' rows

@@ -217,6 +217,25 @@ def _groupwise_spec(w: GroupwiseArray, spec: tuple, decl: tuple, tp: int):
   return lead_spec, k_spec, n_spec, ", ".join(reasons)
 
 
+def lora_slot_specs(axes: dict, linear: dict, targets: dict) -> dict:
+  """The adapter slots' layout (jinfer/models/lora.py): `a [L, M, K, r]` splits K and
+  `b [L, M, r, N]` N over `tensor` where the base kernel splits its first input or output
+  axis, so each shard's share of the low-rank product meets its share of the activations."""
+  out: dict = {}
+  for path in targets:
+    names, kind = axes, linear
+    for part in path + ("kernel",):
+      names, kind = names[part], kind[part]
+    n_in = kind[0]
+    split = lambda name: RULES.get(name)
+    node = out
+    for part in path:
+      node = node.setdefault(part, {})
+    node["a"] = P(None, None, split(names[1]), None)
+    node["b"] = P(None, None, None, split(names[1 + n_in]))
+  return out
+
+
 def kv_cache_specs(quantized: bool = False) -> P | QuantizedKVCache:
   """The partition spec of the KV cache: one, or the values' and the scales' of a quantized one."""
   return QuantizedKVCache(KV_CACHE_SPEC, KV_SCALES_SPEC) if quantized else KV_CACHE_SPEC
