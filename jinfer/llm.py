@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from jinfer.engine.data_parallel import create_engine
 from jinfer.engine.engine_config import EngineConfig
+from jinfer.engine.lora_slots import LoRARequest
 from jinfer.engine.request import RequestOutput
 from jinfer.errors import ParameterError
 from jinfer.parallel import distributed
@@ -65,10 +66,14 @@ class LLM:
 
   def generate(self, prompts: Prompt | Seq[Prompt],
                sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
-               use_tqdm: bool = True) -> list[RequestOutput]:
+               use_tqdm: bool = True,
+               lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+               ) -> list[RequestOutput]:
     """Outputs in prompt order. A prompt is text, a list of token ids, or (as in vLLM) a dict
     `{"prompt": text}` or `{"prompt_token_ids": ids}`; one prompt or a list of them, mixed.
-    Every prompt is validated before any is queued."""
+    `lora_request`: the LoRA adapter for every prompt, or one per prompt (None: the base
+    model), with `enable_lora=True`. Every prompt and adapter is validated before any is
+    queued."""
     if not self.is_leader:
       raise RuntimeError("only process 0 generates; this process ran its steps until it closed")
     if isinstance(prompts, np.ndarray):
@@ -86,6 +91,13 @@ class LLM:
       params = list(sampling_params)
       if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+      loras = [lora_request] * len(prompts)
+    else:
+      loras = list(lora_request)
+      if len(loras) != len(prompts):
+        raise ParameterError("lora_request", f"{len(loras)} lora requests for {len(prompts)} "
+                                             f"prompts")
     eng = self.engine
     ids = [eng.tokenize(p) for p in prompts]
     for i, (tok, sp) in enumerate(zip(ids, params)):
@@ -93,7 +105,10 @@ class LLM:
         eng.validate(tok, sp)
       except ValueError as e:
         raise ValueError(f"prompt {i}: {e}") from None
-    rids = [eng.add_request(None, p, sp) for p, sp in zip(prompts, params)]
+    for lora in {lora for lora in loras if lora is not None}:
+      eng.add_lora(lora)
+    rids = [eng.add_request(None, p, sp, lora_request=lora)
+            for p, sp, lora in zip(prompts, params, loras)]
     final: dict[str, RequestOutput] = {}
     with tqdm(total=len(rids), disable=not use_tqdm, desc="generate") as bar:
       while len(final) < len(rids):
@@ -105,14 +120,15 @@ class LLM:
 
   def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
            sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,
-           chat_template: str | None = None, **template_kwargs: Any) -> list[RequestOutput]:
+           chat_template: str | None = None, lora_request: LoRARequest | None = None,
+           **template_kwargs: Any) -> list[RequestOutput]:
     """One conversation (a list of messages) or several; the chat template (the model's, or
     `chat_template`) ends each with the assistant's turn."""
     convs = [messages] if messages and isinstance(messages[0], dict) else messages
     prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
                                                   chat_template=chat_template, **template_kwargs)
                for c in convs]
-    return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+    return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
 def _is_token_id(x) -> bool:

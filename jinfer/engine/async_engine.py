@@ -73,6 +73,7 @@ class _Add:
   arrival_time: float
   cache_salt: str | None
   sink: _Sink
+  lora_request: object = None  # a LoRARequest, registered with the engine already
 
 
 @dataclasses.dataclass
@@ -223,8 +224,9 @@ class AsyncLLMEngine:
   # -- requests -----------------------------------------------------------------------------
   def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                request_id: str | None = None, *, cache_salt: str | None = None,
-               arrival_time: float | None = None) -> RequestStream:
+               arrival_time: float | None = None, lora_request=None) -> RequestStream:
     """Queue a request; iterate the result for its outputs (each with the delta since the last).
+    `lora_request`: its LoRA adapter (checked and loaded here unless `add_lora` did already).
 
     Raises ValueError for a request that cannot run, QueueFullError when `max_waiting` sequences
     already wait, EngineDeadError once shutting down; in each case nothing was queued.
@@ -233,6 +235,8 @@ class AsyncLLMEngine:
     arrival_time = time.monotonic() if arrival_time is None else arrival_time
     ids = self.tokenize(prompt)
     self.validate(ids, params)
+    if lora_request is not None:
+      self.engine.add_lora(lora_request)
     loop = asyncio.get_running_loop()
     sink = _Sink(loop, asyncio.Queue(), params.n)
     with self._lock:
@@ -247,7 +251,8 @@ class AsyncLLMEngine:
         raise QueueFullError(f"{self.max_waiting} sequences are already waiting; retry later")
       self._sinks[request_id] = sink
       self._queued_seqs += params.n
-      self._commands.append(_Add(request_id, ids, params, arrival_time, cache_salt, sink))
+      self._commands.append(_Add(request_id, ids, params, arrival_time, cache_salt, sink,
+                                 lora_request))
     self._wake.set()
     return RequestStream(self, request_id, sink)
 
@@ -301,7 +306,8 @@ class AsyncLLMEngine:
           self._queued_seqs -= cmd.params.n
           try:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                    arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt)
+                                    arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt,
+                                    lora_request=cmd.lora_request)
           except Exception as e:  # validated already; anything left is this request's alone
             deliveries.append((self._sinks.pop(cmd.request_id), RequestFailedError(str(e))))
         else:

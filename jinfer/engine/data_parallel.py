@@ -65,17 +65,29 @@ class DataParallelEngine(FrontEnd):
 
   def add_request(self, request_id: str | None, prompt: str | list[int],
                   params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                  cache_salt: str | None = None) -> str:
+                  cache_salt: str | None = None, lora_request=None) -> str:
     request_id = str(next(self._ids)) if request_id is None else str(request_id)
     if request_id in self._rank_of:
       raise ValueError(f"request id {request_id!r} is already in use")
     ids = self.tokenize(prompt)
     self.validate(ids, params or SamplingParams())
-    rank = self.route(ids, cache_salt)
+    # A rank's prefix cache holds one adapter's pages apart from another's: route by both.
+    rank = self.route(ids, cache_salt if lora_request is None else
+                      f"{cache_salt}:lora:{lora_request.lora_int_id}")
     self.engines[rank].add_request(request_id, prompt, params, arrival_time=arrival_time,
-                                   cache_salt=cache_salt)
+                                   cache_salt=cache_salt, lora_request=lora_request)
     self._rank_of[request_id] = rank
     return request_id
+
+  def add_lora(self, lora_request) -> None:
+    for e in self.engines:
+      e.add_lora(lora_request)
+
+  def remove_lora(self, lora_int_id: int) -> bool:
+    return any([e.remove_lora(lora_int_id) for e in self.engines])
+
+  def list_loras(self) -> list:
+    return self.engines[0].list_loras()
 
   def abort(self, request_id: str) -> bool:
     rank = self._rank_of.pop(str(request_id), None)
