@@ -120,7 +120,7 @@ def _collectives(runner, t: int) -> dict:
   inp = to_step_input(empty_step_input(runner.buckets, t), runner.buckets)
   v = runner.variant(t)
   hlo = v.step.lower(v.params, runner.kv_cache, inp, None,
-                     runner.in_step_weights).compile().as_text()
+                     runner.in_step_weights, runner.lora).compile().as_text()
   return {op: len(re.findall(rf"\b{op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
 
 

@@ -32,8 +32,10 @@ from jinfer.engine.runner import jit_step, step_shardings
 from jinfer.engine.step_input import empty_step_input, to_step_input
 from jinfer.errors import ParameterError
 from jinfer.models import CausalLM, linear_kernels, logical_axes, param_shapes
+from jinfer.models.lora import empty_slots, target_shapes
 from jinfer.parallel.mesh import make_mesh
 from jinfer.parallel.sharding import (abstract, check_tensor_parallel, duplicate_kv_heads,
+                                     lora_slot_specs,
                                      shard_params, valid_tensor_parallel_sizes)
 
 # Collective ops in optimized HLO (their `-start` halves for async ones), with the first shape
@@ -199,6 +201,15 @@ class AbstractEngine:
       one = self._replicated = SingleDeviceSharding(devices[0])
       self.params, self.kv_cache = jax.tree.map(lambda a: abstract(a, one), (params, kv))
       out_shardings = None
+    self.lora = None  # the adapter slots, with enable_lora (jinfer/models/lora.py)
+    if c.lora.enable_lora:
+      targets = target_shapes(param_shapes(run_config), linear_kernels(run_config))
+      slots = jax.eval_shape(lambda: empty_slots(targets, c.lora.max_loras,
+                                                 c.lora.max_lora_rank, dtype))
+      place = (jax.tree.map(lambda p: NamedSharding(mesh, p), lora_slot_specs(
+          logical_axes(run_config), linear_kernels(run_config), targets))
+          if mesh is not None else jax.tree.map(lambda _: self._replicated, slots))
+      self.lora = jax.tree.map(abstract, slots, place)
     model = CausalLM(run_config, kernels, dtype=dtype, scan_layers=True, kv_groups=c.kv_groups,
                      unroll_scan=c.unroll_scan)
     self._step = jit_step(model, None, out_shardings)
@@ -211,7 +222,7 @@ class AbstractEngine:
     t, prompt_lp, verify = shape
     inp = to_step_input(empty_step_input(self.buckets, t, prompt_lp, verify), self.buckets)
     inp = jax.tree.map(lambda a: abstract(jnp.asarray(a), self._replicated), inp)
-    return self._step.lower(self.params, self.kv_cache, inp, None, None)
+    return self._step.lower(self.params, self.kv_cache, inp, None, None, self.lora)
 
   def build(self, shape: tuple[int, bool, bool]) -> StepBuild:
     """Compile one step shape; a refusal is reported, not raised."""
@@ -240,7 +251,12 @@ class AbstractEngine:
   # -- sizes, per device ----------------------------------------------------------------------
   @property
   def weight_bytes(self) -> int:
-    return _per_device(self.params)
+    """The params' bytes per device, the adapter slots' included."""
+    return _per_device(self.params) + self.lora_bytes
+
+  @property
+  def lora_bytes(self) -> int:
+    return 0 if self.lora is None else _per_device(self.lora)
 
   @property
   def weight_elements(self) -> int:

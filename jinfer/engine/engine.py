@@ -191,8 +191,10 @@ class LLMEngine:
       self.spec_stats = SpecStats(self.proposer.max_depth)
     del params  # the proposer took what it shares; the runner keeps the params it runs
     lora_slots = None
+    # {module path: (layers, K, N)}: the linear layers an adapter may adapt
+    self.lora_targets = targets = target_shapes(param_shapes(run_config),
+                                                linear_kernels(run_config))
     if lora.enable_lora:
-      targets = target_shapes(param_shapes(run_config), linear_kernels(run_config))
       self._lora_pad = functools.partial(
           pad_adapter, targets=targets, max_rank=lora.max_lora_rank,
           head_dim=model_config.head_dim,
