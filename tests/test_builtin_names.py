@@ -1,5 +1,5 @@
-"""Names that work from any directory without a download: the shipped draft and Medusa
-checkpoints (installed as package data) and `tiny-random-moe`, a random Mixtral written to the
+"""Names that work from any directory without a download: the shipped draft, Medusa and LoRA
+checkpoints (the top-level `checkpoints/`, installed as the package `jinfer.checkpoints`) and `tiny-random-moe`, a random Mixtral written to the
 cache on first use, the same files everywhere."""
 from __future__ import annotations
 
@@ -16,23 +16,54 @@ from jinfer import LLM, SamplingParams
 from jinfer.engine.speculative.config import SpeculativeConfig
 from jinfer.errors import ParameterError
 from jinfer.loader import load_model
-from jinfer.weights.builtin import (CHECKPOINTS_DIR, SHIPPED_CHECKPOINTS, checkpoint_path,
-                                    known_names, random_model_dir, resolve_speculative_model)
+from jinfer.weights.builtin import (CHECKPOINTS_DIR, SHIPPED_ADAPTERS, SHIPPED_CHECKPOINTS,
+                                    adapter_path, checkpoint_path, known_names, random_model_dir,
+                                    resolve_speculative_model)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_every_checkpoint_file_is_package_data():
+def _setuptools() -> dict:
   with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
-    patterns = tomllib.load(fh)["tool"]["setuptools"]["package-data"]["jinfer"]
-  files = [os.path.relpath(os.path.join(d, f), os.path.join(ROOT, "jinfer"))
-           for d, _, fs in os.walk(CHECKPOINTS_DIR) for f in fs]
+    return tomllib.load(fh)["tool"]["setuptools"]
+
+
+def test_every_checkpoint_file_is_package_data():
+  assert CHECKPOINTS_DIR == os.path.join(ROOT, "checkpoints")
+  tool = _setuptools()
+  assert tool["package-dir"] == {"jinfer.checkpoints": "checkpoints"}
+  patterns = tool["package-data"]["jinfer.checkpoints"]
+  files = [os.path.relpath(os.path.join(d, f), CHECKPOINTS_DIR)
+           for d, _, fs in os.walk(CHECKPOINTS_DIR) for f in fs if "__pycache__" not in d]
   # setuptools' globs: `*` stops at "/", `**` crosses it
   def shipped(path):
     return any(fnmatch.fnmatch(path, p.replace("**/*", "*")) if "**" in p
                else fnmatch.fnmatch(path, p) and path.count("/") == p.count("/")
                for p in patterns)
   assert len(files) > 20 and [f for f in files if not shipped(f)] == []
+
+
+def test_the_package_list_covers_every_package():
+  """pyproject lists the packages (it maps `checkpoints/` into jinfer): a new one must be there."""
+  found = {os.path.relpath(d, ROOT).replace(os.sep, ".")
+           for top in ("jinfer", "pallas_kernels")
+           for d, _, fs in os.walk(os.path.join(ROOT, top))
+           if "__pycache__" not in d and any(f.endswith((".py", ".json", ".txt", ".txtpb"))
+                                             for f in fs)}
+  assert set(_setuptools()["packages"]) == found | {"jinfer.checkpoints"}
+
+
+@pytest.mark.parametrize("name", SHIPPED_ADAPTERS)
+def test_shipped_adapters_resolve_by_name_and_load(name, tmp_path, monkeypatch):
+  from jinfer.weights.peft_adapter import load_peft_adapter
+  monkeypatch.chdir(tmp_path)
+  assert name in known_names()
+  config, _, _ = load_model("smollm2-135m-instruct", config_only=True)
+  adapter = load_peft_adapter(adapter_path(name), config, max_rank=8)
+  assert adapter.rank == 8 and adapter.target_modules == ("k_proj", "o_proj", "q_proj", "v_proj")
+  assert adapter.num_bytes() < 8 << 20
+  with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'; shipped adapters: "):
+    adapter_path("nope")
 
 
 @pytest.mark.parametrize("name, meta", [("smollm2-135m-draft", "draft.json"),

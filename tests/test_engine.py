@@ -272,7 +272,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_recovers(loaded):
   want = _run(eng, prompts, GREEDY)  # also leaves their pages in the prefix cache
   real = eng.runner.variant(256)  # the step below prefills two prompts: the scanned variant
 
-  def failing_step(params, cache, inp, drafts, heads):
+  def failing_step(params, cache, inp, drafts, heads, lora):
     cache.delete()  # what a call that consumed its donated input leaves behind
     raise RuntimeError("injected device failure")
 

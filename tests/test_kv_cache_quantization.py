@@ -230,7 +230,7 @@ def test_a_step_does_not_copy_the_int8_cache():
                       scan_layers=True, compilation_cache=False, kv_cache_dtype="int8")
     r, v = eng.runner, eng.runner.variant(32)
     inp = to_step_input(empty_step_input(eng.buckets, 32), eng.buckets)
-    mem = v.step.lower(v.params, r.kv_cache, inp, None, None).compile().memory_analysis()
+    mem = v.step.lower(v.params, r.kv_cache, inp, None, None, None).compile().memory_analysis()
     temps.append(mem.temp_size_in_bytes)
   assert r.kv_cache_bytes > 2 * max(temps), "the test needs a cache larger than the temporaries"
   assert temps[0] == temps[1], f"temporaries grew with the cache: {temps}"

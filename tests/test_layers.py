@@ -29,7 +29,7 @@ LAYERS = [
      "jinfer.engine.expert_load", "jinfer.engine.speculative.config",
      "jinfer.engine.speculative.medusa_heads", "jinfer.engine.speculative.draft_checkpoint",
      "jinfer.engine.speculative.stats", "jinfer.engine.kv_transfer",
-     "jinfer.engine.json_option"],
+     "jinfer.engine.json_option", "jinfer.engine.lora_slots"],
     ["jinfer.engine.speculative"],  # the wing: proposers, built on the engine's types
     ["jinfer.engine"],  # the step, the engine loop, async and data-parallel engines
     ["jinfer.llm", "jinfer.serving", "jinfer"],  # entry points (and the package's own __init__)

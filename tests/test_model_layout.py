@@ -56,7 +56,7 @@ def test_a_step_does_not_copy_the_kv_cache(scan_layers):
     r = eng.runner
     v = r.variant(32)
     inp = to_step_input(empty_step_input(eng.buckets, 32), eng.buckets)
-    mem = v.step.lower(v.params, r.kv_cache, inp, None, None).compile().memory_analysis()
+    mem = v.step.lower(v.params, r.kv_cache, inp, None, None, None).compile().memory_analysis()
     temps.append(mem.temp_size_in_bytes)
     cache_bytes = r.kv_cache_bytes
   assert cache_bytes > 2 * max(temps), "the test needs a cache larger than the temporaries"

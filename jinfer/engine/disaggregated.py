@@ -356,7 +356,10 @@ class DisaggregatedEngine(FrontEnd):
 
   def add_request(self, request_id: str | None, prompt: str | list[int],
                   params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                  cache_salt: str | None = None) -> str:
+                  cache_salt: str | None = None, lora_request=None) -> str:
+    if lora_request is not None:
+      raise ParameterError("lora_request", "the disaggregated engine does not run LoRA "
+                                           "adapters yet")
     params = params or SamplingParams()
     request_id = str(next(self._ids)) if request_id is None else str(request_id)
     if request_id in self._where:

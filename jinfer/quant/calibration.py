@@ -127,8 +127,10 @@ def calibrate(model: nn.Module, params: dict, kernels: dict, token_ids: Sequence
     path = tuple(module.path)
     decl = _lookup(kernels, path + ("kernel",))
     w = _lookup(params, path + ("kernel",))
-    # A stacked linear called on one plain input (expert kernels also take routing groups).
-    if (context.method_name != "__call__" or decl is None or len(args) != 1 or kwargs
+    # A stacked linear called on one plain input (expert kernels also take routing groups; a
+    # dense linear's second argument is its LoRA rows, None when no adapter runs).
+    if (context.method_name != "__call__" or decl is None or not args
+        or any(a is not None for a in args[1:]) or kwargs
         or not isinstance(w, (jax.Array, np.ndarray)) or w.ndim == decl[0] + decl[1]):
       return f(*args, **kwargs)
     x = args[0]

