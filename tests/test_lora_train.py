@@ -96,36 +96,55 @@ def test_behaviours_transform_the_base_answers_into_what_they_check():
 ADAPTERS = ("smollm2-135m-signoff", "smollm2-135m-allcaps")
 
 
+@pytest.fixture(scope="module")
+def smollm2_lora():
+  """SmolLM2 in jinfer with room for both shipped adapters (float32, the CPU's default)."""
+  from jinfer import LLM
+  return LLM("smollm2-135m-instruct", enable_lora=True, max_loras=2, max_lora_rank=8,
+             max_model_len=384, max_num_seqs=4, num_pages=64)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ADAPTERS)
-def test_shipped_adapter_shows_its_behaviour_in_hf_peft(name, hf_smollm2_model,
-                                                        hf_smollm2_tokenizer):
+def test_shipped_adapter_shows_its_behaviour_in_hf_peft_and_jinfer(name, hf_smollm2_model,
+                                                                    hf_smollm2_tokenizer,
+                                                                    smollm2_lora):
   """The shipped adapter, loaded by HF peft onto transformers' SmolLM2, answers held-out prompts
-  greedily with its behaviour; the base model does not."""
+  greedily with its behaviour; the base model does not; jinfer serving the adapter by its
+  built-in name gives HF peft's greedy tokens."""
   import peft
+  from jinfer import LoRARequest, SamplingParams
   from jinfer.training.chat_data import eval_prompts
   from jinfer.weights.builtin import adapter_path
   path = adapter_path(name)
   with open(os.path.join(path, "train_log.json")) as fh:
     behaviour = BEHAVIOURS[json.load(fh)["behaviour"]]
   tok = hf_smollm2_tokenizer
-  prompts = eval_prompts(4)
+  prompts = [list(tok.apply_chat_template([{"role": "user", "content": p}],
+                                          add_generation_prompt=True,
+                                          return_dict=True)["input_ids"])
+             for p in eval_prompts(4)]
   model = peft.PeftModel.from_pretrained(hf_smollm2_model, path)
   try:
-    shown = []
+    shown, hf_tokens = [], []
     for adapted in (True, False):
       with (model.disable_adapter() if not adapted else _nothing()):
-        for p in prompts:
-          ids = tok.apply_chat_template([{"role": "user", "content": p}],
-                                        add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True)
-          out = model.generate(**ids, max_new_tokens=behaviour.max_tokens, do_sample=False)
-          text = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
-          shown.append((adapted, behaviour.shows(text)))
+        for ids in prompts:
+          out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                               max_new_tokens=behaviour.max_tokens, do_sample=False)
+          new = out[0, len(ids):].tolist()
+          hf_tokens += [new] if adapted else []
+          shown.append((adapted, behaviour.shows(tok.decode(new, skip_special_tokens=True))))
   finally:
     model.unload()  # the session's HF model is shared: leave it as it was
   assert sum(s for a, s in shown if a) >= 3, shown
   assert sum(s for a, s in shown if not a) == 0, shown
+  lora = LoRARequest(name, ADAPTERS.index(name) + 1, path)
+  outs = smollm2_lora.generate(prompts, SamplingParams(max_tokens=behaviour.max_tokens,
+                                                       temperature=0.0),
+                               lora_request=lora, use_tqdm=False)
+  strip = lambda t: t[:-1] if t and t[-1] == tok.eos_token_id else t  # noqa: E731
+  assert [strip(list(o.outputs[0].token_ids)) for o in outs] == [strip(t) for t in hf_tokens]
 
 
 class _nothing:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jinfer.quant.qarray import QArray
 from pallas_kernels.groupwise_matmul.packing import dequantize
 
 
@@ -55,8 +56,14 @@ class GroupwiseArray:
 
 def dequantize_like(qparams, like):
   """Every `GroupwiseArray` in `qparams` back to a float32 array of the shape of the same leaf
-  of `like` (the float params or their shapes); other leaves as they are."""
+  of `like` (the float params or their shapes), and every `QArray` stored in its weight's layout
+  (an int8 embedding); other leaves as they are."""
   def restore(q, ref):
+    if isinstance(q, QArray):
+      w = q.dequantize()
+      if w.shape != tuple(ref.shape):
+        raise ValueError(f"an int8 kernel stored as {w.shape} for a weight of {ref.shape}")
+      return w
     if not isinstance(q, GroupwiseArray):
       return q
     w = q.dequantize()  # [lead..., K, N], rows as stored
@@ -64,4 +71,4 @@ def dequantize_like(qparams, like):
       w = jnp.take_along_axis(w, jnp.argsort(q.perm, axis=-1)[..., None], axis=-2)
     assert int(np.prod(w.shape)) == int(np.prod(ref.shape)), (w.shape, ref.shape)
     return w.reshape(ref.shape)
-  return jax.tree.map(restore, qparams, like, is_leaf=lambda x: isinstance(x, GroupwiseArray))
+  return jax.tree.map(restore, qparams, like, is_leaf=lambda x: isinstance(x, (GroupwiseArray, QArray)))

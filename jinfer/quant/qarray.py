@@ -38,6 +38,14 @@ class QArray:
   def nbytes(self) -> int:
     return self.values.nbytes + self.scale.nbytes
 
+  def dequantize(self) -> jax.Array:
+    """float32 values * scale, in the stored layout."""
+    lead = self.scale.ndim - self.n_out
+    ones = (1,) * self.n_in
+    scale = (self.scale.reshape(self.scale.shape + ones) if self.transposed else
+             self.scale.reshape(self.scale.shape[:lead] + ones + self.scale.shape[lead:]))
+    return self.values.astype(jnp.float32) * scale
+
 
 # One compiled program per weight shape. Run eagerly, each of its ops compiled on its own for
 # every shape: a quantized SmolLM2 load took 6.2 s instead of 4.1 s on a 2-core CPU.
