@@ -120,10 +120,11 @@ class LLM:
 
   def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
            sampling_params: SamplingParams | None = None, *, use_tqdm: bool = True,
-           chat_template: str | None = None, lora_request: LoRARequest | None = None,
+           chat_template: str | None = None,
+           lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
            **template_kwargs: Any) -> list[RequestOutput]:
     """One conversation (a list of messages) or several; the chat template (the model's, or
-    `chat_template`) ends each with the assistant's turn."""
+    `chat_template`) ends each with the assistant's turn. `lora_request` as in `generate`."""
     convs = [messages] if messages and isinstance(messages[0], dict) else messages
     prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
                                                   chat_template=chat_template, **template_kwargs)

@@ -105,3 +105,15 @@ def test_long_context(tiny_model_dir):
   lines = out.splitlines()
   assert len(lines) == 3 and all("prompt tokens, first token after" in l for l in lines[:2]), out
   assert float(re.search(r"hit rate ([\d.]+)", lines[2]).group(1)) > 0, out
+
+
+@pytest.mark.slow  # SmolLM2 with its two shipped adapters (~40 s on 2 cores)
+def test_lora_serves_two_adapters_and_the_base_in_one_batch():
+  out = run_example("lora.py", "--max-tokens", "12")
+  lines = out.splitlines()
+  assert [l.split("]")[0] for l in lines] == ["[base"] * 2 + ["[signoff"] * 2 + ["[allcaps"] * 2
+  text = [l.split(" -> ", 1)[1] for l in lines]
+  assert all(t.startswith("'Hello there") for t in text[2:4]), out  # the sign-off's opener
+  # capitals (the adapter does it on 75% of held-out prompts: one of the two here)
+  assert any(t.strip("'").upper() == t.strip("'") for t in text[4:]), out
+  assert not any(t.startswith("'Hello there") for t in text[:2]), out

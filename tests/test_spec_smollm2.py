@@ -1,5 +1,5 @@
 """Speculative decoding on the real model: SmolLM2's output with the distilled draft and with
-the Medusa heads of `jinfer/checkpoints/` is the output without speculation: greedy, alone and
+the Medusa heads of `checkpoints/` is the output without speculation: greedy, alone and
 inside a batch with chunked prefill, preemption and prefix hits; sampled with seeds, 128 copies
 of one prompt (prefix hits in every step), token for token. And the shipped draft and heads are
 trained ones."""

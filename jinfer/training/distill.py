@@ -16,7 +16,7 @@ no loops) over a scratch paged cache with one run of pages per sequence, so the 
 on exactly the function it will run.
 
 Run as a module, it distills a draft for SmolLM2-135M-Instruct on a CPU (the recipe of
-`jinfer/checkpoints/smollm2-135m-draft`), in stages, each reading the files earlier ones wrote to
+`checkpoints/smollm2-135m-draft`), in stages, each reading the files earlier ones wrote to
 --work-dir:
   generate     the teacher's own greedy answers to the chat prompts of `chat_data.py`
                (--split train: the SeqKD data; --split eval: held-out answers to validate on)

@@ -12,7 +12,7 @@ sum_k 0.8**k CE_k, each head's cross-entropy over the heads' vocabulary, average
 whose target exists (inside the sequence) and lies in that vocabulary.
 
 Run as a module, it trains heads for SmolLM2-135M-Instruct on a CPU (the recipe of
-`jinfer/checkpoints/smollm2-135m-medusa`), in stages, each reading the files earlier ones wrote to
+`checkpoints/smollm2-135m-medusa`), in stages, each reading the files earlier ones wrote to
 --work-dir:
   generate  the target's own greedy answers to the chat prompts of `chat_data.py`
             (--split train: the training data; --split eval: held-back answers to evaluate on)
@@ -25,8 +25,8 @@ Run as a module, it trains heads for SmolLM2-135M-Instruct on a CPU (the recipe 
     python -m jinfer.training.medusa_train generate --split eval --num-prompts 64 --max-tokens 192
     python -m jinfer.training.medusa_train hidden
     python -m jinfer.training.medusa_train train --steps 5000 --eval-every 500 \
-      --out jinfer/checkpoints/smollm2-135m-medusa
-    python -m jinfer.training.medusa_train eval --heads jinfer/checkpoints/smollm2-135m-medusa
+      --out checkpoints/smollm2-135m-medusa
+    python -m jinfer.training.medusa_train eval --heads checkpoints/smollm2-135m-medusa
 """
 from __future__ import annotations
 

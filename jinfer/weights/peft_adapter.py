@@ -26,6 +26,7 @@ import numpy as np
 
 from jinfer.config import ModelConfig
 from jinfer.errors import ParameterError
+from jinfer.weights.builtin import SHIPPED_ADAPTERS, adapter_path
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -231,8 +232,11 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
 
 def load_peft_adapter(path: str, config: ModelConfig, *, max_rank: int | None = None
                       ) -> LoraAdapter:
-  """Read and check a PEFT LoRA adapter directory for the model `config` describes; the factors
-  in jinfer's layout, float32, the scaling folded into b. Raises AdapterError."""
+  """Read and check a PEFT LoRA adapter directory (or a shipped adapter's built-in name, e.g.
+  "smollm2-135m-signoff") for the model `config` describes; the factors in jinfer's layout,
+  float32, the scaling folded into b. Raises AdapterError."""
+  if path in SHIPPED_ADAPTERS and not os.path.isdir(path):
+    path = adapter_path(path)
   cfg = _read_config(path)
   rank, scaling = _check_config(cfg, path, max_rank)
   picked = _targets(cfg, config, path)
