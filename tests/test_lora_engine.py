@@ -202,3 +202,18 @@ def test_bad_adapters_are_refused_before_anything_is_queued(tiny_model, engine, 
     engine.add_request(None, [5, 6, 7], GREEDY,
                        lora_request=LoRARequest("other", 2, adapters[2][0].lora_path))
   assert not engine.has_unfinished_requests() and not small.has_unfinished_requests()
+
+
+@pytest.mark.slow  # a second engine's compile (~15 s)
+def test_tensor_parallel_adapters_match_one_device(tiny_model, engine, adapters):
+  """TP 2: each adapter's a and b split as their base layer does (K of a row-split layer, N of a
+  column-split one); the mixed batch equals one device's."""
+  tp = make_engine(tiny_model, warmup=False, tensor_parallel_size=2, **OPTIONS, **LORA)
+  prompts = _prompts(4, seed=8)
+  loras = [adapters[1][0], None, adapters[2][0], adapters[1][0]]
+  got, want = _run(tp, prompts, GREEDY, loras), _run(engine, prompts, GREEDY, loras)
+  for g, w in zip(got, want):
+    assert g.token_ids == w.token_ids
+    for a, b in zip(g.logprobs, w.logprobs):
+      assert max(abs(a[t] - b[t]) for t in a) <= 1e-4
+  _assert_no_leaks(tp)
