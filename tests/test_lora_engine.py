@@ -142,6 +142,25 @@ def test_a_request_waits_for_a_slot_without_stalling_the_others(tiny_model, adap
   _assert_no_leaks(eng)
 
 
+def test_unloading_an_adapter_while_its_request_runs(tiny_model, adapters):
+  """remove_lora mid-request: the running request finishes on its adapter (its tokens are those
+  of an undisturbed run), the slot is freed after it, and new requests naming the id load it
+  again."""
+  eng = make_engine(tiny_model, warmup=False, **OPTIONS, **LORA)
+  long = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+  lora, prompt = adapters[1][0], _prompts(1, seed=9)[0]
+  want = _run(eng, [prompt], long, [lora])[0].token_ids
+  rid = eng.add_request(None, prompt, long, lora_request=lora)
+  for _ in range(3):
+    eng.step()
+  assert eng.remove_lora(lora.lora_int_id) and lora not in eng.list_loras()
+  assert eng.adapters.slots_in_use == 1  # still held by the running request
+  assert eng.run_to_completion()[rid].outputs[0].token_ids == want
+  assert eng.adapters.slots_in_use == 0
+  assert _run(eng, [prompt], long, [lora])[0].token_ids == want
+  _assert_no_leaks(eng)
+
+
 def test_sampling_is_batch_invariant_across_adapters(engine, adapters):
   """A seeded request's tokens are the same alone and in a batch of other adapters' requests."""
   params = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
@@ -165,6 +184,7 @@ def test_the_prefix_cache_is_keyed_by_adapter(engine, adapters):
   assert eng.run_to_completion()[rid].num_cached_tokens > 0  # its own
 
 
+@pytest.mark.slow  # two more engines (~7 s)
 def test_lora_over_an_int4_base(tiny_model, adapters):
   """An int4 base (group-wise, its Pallas-free XLA form here) with the adapters in float: each
   request equals a float engine over the dequantized int4 weights with the same adapter, which

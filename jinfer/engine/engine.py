@@ -384,12 +384,10 @@ class LLMEngine:
       raise ValueError(f"request id {request_id!r} is already in use")
     ids = self.tokenize(prompt)
     matcher = self.validate(ids, params)
-    lora_id = None
     if lora_request is not None:
       self.add_lora(lora_request)
-      lora_id = lora_request.lora_int_id
       # The prefix cache is keyed by adapter: its K/V differs from the base model's.
-      cache_salt = (cache_salt, "lora", lora_id, lora_request.lora_path)
+      cache_salt = (cache_salt, "lora", lora_request.lora_int_id, lora_request.lora_path)
     seed = params.seed if params.seed is not None else int(self._seed_rng.integers(1 << 31))
     metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
     seqs: list[Sequence] = []
@@ -398,7 +396,7 @@ class LLMEngine:
                      group_id=request_id, index=i, prompt_token_ids=list(ids), params=params,
                      seed=(seed + i * 0x9E3779B1) & 0xFFFFFFFF,
                      metrics=metrics if i == 0 else dataclasses.replace(metrics, token_times=[]),
-                     cache_salt=cache_salt, lora_id=lora_id,
+                     cache_salt=cache_salt, lora=lora_request,
                      wait_for=seqs[0] if seqs else None,
                      spec_state=self.proposer and self.proposer.new_state(),
                      matcher=matcher if matcher is None or i == 0 else matcher.deep_copy())

@@ -111,16 +111,17 @@ class AdapterSlots:
   def resident(self, lora_int_id: int) -> int | None:
     return next((s for s, o in enumerate(self.owner) if o == lora_int_id), None)
 
-  def acquire(self, lora_int_id: int) -> int | None:
-    """The device slot holding this adapter, loading it into one if needed; None when every
-    slot is held by running sequences (the caller waits)."""
+  def acquire(self, request: LoRARequest) -> int | None:
+    """The device slot holding this adapter, loading it into one if needed (from the host
+    cache, or its files: it may have been unregistered while its request waited); None when
+    every slot is held by running sequences (the caller waits)."""
+    lora_int_id = request.lora_int_id
     with self._lock:
       slot = self.resident(lora_int_id)
       if slot is None:
         if not self._idle:
           return None
         slot = next(iter(self._idle))
-        request = self.known[lora_int_id]
         adapter = self._host.get(lora_int_id) or load_peft_adapter(
             request.lora_path, self.model_config, max_rank=self.config.max_lora_rank)
         self._keep(lora_int_id, adapter)

@@ -102,9 +102,9 @@ class Sequence:
   sent_tokens: int = 0  # how many tokens have been reported
   detok: object = None  # IncrementalDetokenizer, made by the engine
   cache_salt: object = None
-  # LoRA: the adapter's lora_int_id (None: the base model), and the device slot it holds while
-  # running (jinfer/engine/lora_slots.py).
-  lora_id: int | None = None
+  # LoRA: the adapter's request (a LoRARequest; None: the base model), and the device slot it
+  # holds while running (jinfer/engine/lora_slots.py).
+  lora: object = None
   lora_slot: int | None = None
   # Under a structured-output constraint: its matcher (llguidance), advanced with each token
   # the sequence keeps; it masks the sequence's next token (jinfer/sampling/grammar.py).

@@ -226,8 +226,8 @@ class Scheduler:
       if lead is not None and not lead.finished and lead.num_computed_tokens < len(lead.prompt_token_ids):
         skipped.append(self.waiting.popleft())  # a sibling: wait for the lead's prompt pages
         continue
-      if seq.lora_id is not None and seq.lora_slot is None:
-        seq.lora_slot = self.adapters.acquire(seq.lora_id)
+      if seq.lora is not None and seq.lora_slot is None:
+        seq.lora_slot = self.adapters.acquire(seq.lora)
         if seq.lora_slot is None:  # every slot busy with running adapters: the others go on
           skipped.append(self.waiting.popleft())
           continue
