@@ -147,3 +147,25 @@ def test_long_context_bench_without_matplotlib_fails_before_its_work(monkeypatch
   # a model that does not exist: the plot's check comes first, so that is not what fails
   with pytest.raises(SystemExit, match=r'pip install "jinfer\[plot\]".*--plot \'\''):
     long_context.main(["--model", "no-such-model", "--plot", "out.png", "--devices", "1"])
+
+
+@pytest.mark.slow  # builds the wheel (~10 s)
+def test_an_installed_wheel_resolves_the_shipped_names(tmp_path):
+  """The wheel carries `checkpoints/` as `jinfer.checkpoints`: unpacked away from the checkout,
+  its built-in names point inside it, at files that are there."""
+  import subprocess
+  import sys
+  import zipfile
+  subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                  str(tmp_path / "dist"), ROOT], check=True, capture_output=True)
+  (wheel,) = (tmp_path / "dist").glob("jinfer-*.whl")
+  zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+  code = ("import os, jinfer.weights.builtin as b; "
+          "print(b.CHECKPOINTS_DIR); "
+          "print(all(os.path.isfile(os.path.join(b.adapter_path(n), 'adapter_model.safetensors')) "
+          "for n in b.SHIPPED_ADAPTERS) and all(os.path.isfile(os.path.join(b.checkpoint_path(n), "
+          "'README.md')) for n in b.SHIPPED_CHECKPOINTS))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                       text=True, env=dict(os.environ, PYTHONPATH=str(tmp_path / "site")),
+                       check=True).stdout.split()
+  assert out == [str(tmp_path / "site" / "jinfer" / "checkpoints"), "True"]
