@@ -60,8 +60,9 @@ def test_quantized_kv_decode_reads_the_cache_in_place_v6e(tmp_path, kv):
 @pytest.mark.parametrize("target", ["v6e-1", "h100"])
 def test_lora_slots_build_beside_the_base_step(tmp_path, target):
   """Llama-3.1-8B's shapes, two layers, 4 adapter slots of rank 16 on every projection: the
-  64-token step builds with the adapters grouped by slot through the target's grouped matmul;
-  the slots are their exact bytes (bf16) and add little to the step's temporaries."""
+  8-row decode step builds with the adapters grouped by slot through the target's grouped
+  matmul; the slots are their exact bytes (bf16) and add little to the step's temporaries (v6e:
+  2.5 -> 3.9 MB)."""
   model = _shallow(tmp_path, "llama-3.1-8b", 2)
   base = _plan(model, target, [64], num_pages=256)
   lora = _plan(model, target, [64], num_pages=256, enable_lora=True, max_loras=4,
@@ -72,7 +73,7 @@ def test_lora_slots_build_beside_the_base_step(tmp_path, target):
       c.intermediate_size
   per_rank = (e + q) + 2 * (e + kv) + (q + e) + 2 * (e + f) + (f + e)  # a's K + b's N, 7 linears
   assert lora.engine.lora_bytes == c.num_layers * 4 * 16 * per_rank * 2
-  assert lora.max_temp_bytes <= base.max_temp_bytes + (16 << 20), (base.report(), lora.report())
+  assert lora.max_temp_bytes <= base.max_temp_bytes + (4 << 20), (base.report(), lora.report())
 
 
 def test_llama_8b_bf16_h100():
