@@ -118,11 +118,12 @@ def _engine_config(args, **override):
   return EngineConfig.of(**{**options, **override})
 
 
-def _engine(args):
+def _engine(args, **override):
   from jinfer.engine.engine import LLMEngine
   # One-shot commands run in the startup buckets only (a long prompt is chunked to them):
   # compiling every bucket costs more than it saves here.
-  return LLMEngine(args.model, dtype=_dtype(args), config=_engine_config(args), warmup="never")
+  return LLMEngine(args.model, dtype=_dtype(args), config=_engine_config(args, **override),
+                   warmup="never")
 
 
 def _params(args):
@@ -143,10 +144,10 @@ def _params(args):
                         structured_outputs=constraint)
 
 
-def _stream(engine, prompt, params) -> str:
+def _stream(engine, prompt, params, lora=None) -> str:
   """Run one request, printing text as it comes; returns the whole text. An empty answer says
   why on stderr (an instruct model asked for a raw completion often ends its turn at once)."""
-  rid = engine.add_request(None, prompt, params)
+  rid = engine.add_request(None, prompt, params, lora_request=lora)
   text, finish = "", None
   while engine.has_unfinished_requests():
     for out in engine.step():
@@ -162,13 +163,22 @@ def _stream(engine, prompt, params) -> str:
 
 
 def cmd_generate(args):
-  engine = _engine(args)
+  lora, override = None, {}
+  if args.lora is not None:  # one adapter: slots as wide as its rank
+    from jinfer.engine.lora_slots import LoRARequest
+    from jinfer.weights.peft_adapter import AdapterError, adapter_rank
+    try:
+      override = dict(enable_lora=True, max_lora_rank=adapter_rank(args.lora))
+    except AdapterError as e:
+      raise SystemExit(f"error: --lora: {e}") from None
+    lora = LoRARequest("lora", 1, args.lora)
+  engine = _engine(args, **override)
   prompt = args.prompt
   if not args.raw and engine.tokenizer.chat_template is not None:
     # As `ollama run` and `mlx_lm.generate` do: an instruct model answers a user turn.
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                   tokenize=True)
-  _stream(engine, prompt, _params(args))
+  _stream(engine, prompt, _params(args), lora)
 
 
 def cmd_chat(args):
@@ -238,6 +248,7 @@ def _require_serve_extra() -> None:
 
 def cmd_serve(args):
   _require_serve_extra()
+  from jinfer.serving.adapters import parse_lora_modules
   from jinfer.serving.server import serve
   from jinfer.parallel.distributed import DistributedConfig
   config = _engine_config(args)
@@ -250,7 +261,10 @@ def cmd_serve(args):
       body_timeout=args.body_timeout, max_connections=args.max_connections,
       max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
       enable_auto_tool_choice=args.enable_auto_tool_choice,
-      tool_call_parser=args.tool_call_parser)
+      tool_call_parser=args.tool_call_parser,
+      lora_modules=parse_lora_modules(args.lora_modules),
+      allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+      lora_allowed_roots=tuple(args.lora_allowed_roots))
   serve(args.model, options=options, served_model_name=args.served_model_name, config=config,
         distributed_config=dist, dtype=_dtype(args))
 
@@ -361,6 +375,9 @@ def parser() -> argparse.ArgumentParser:
   constrain.add_argument("--regex", help="answer with text that matches this regex")
   constrain.add_argument("--choice", action="append", metavar="TEXT",
                          help="answer with one of these strings (repeat the option)")
+  p.add_argument("--lora", metavar="PATH", default=None,
+                 help="answer with this LoRA adapter (a PEFT directory, or a shipped adapter's "
+                      "name such as smollm2-135m-signoff)")
   p.add_argument("prompt")
   p.set_defaults(fn=cmd_generate)
 
@@ -424,6 +441,16 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                  help="the tool-call format of the model's chat template (a template without "
                       "one gets jinfer's default tool prompt and hermes)")
+  p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                 help="LoRA adapters served by name (the request's `model`; needs "
+                      "--enable-lora); PATH may be a shipped adapter's name; vLLM's JSON form "
+                      '{"name": ..., "path": ...} works too')
+  p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                 help="let clients load and unload adapters (/v1/load_lora_adapter, "
+                      "/v1/unload_lora_adapter) from under --lora-allowed-roots")
+  p.add_argument("--lora-allowed-roots", nargs="+", default=[], metavar="DIR",
+                 help="directories run-time loads may read adapters from (default: those of "
+                      "--lora-modules and the shipped adapters')")
   _add_engine_args(p)
   _add_multi_process_args(p)
   p.set_defaults(fn=cmd_serve)

@@ -164,3 +164,41 @@ def test_on_device_script_puts_the_estimate_beside_the_measurement(tiny_model_di
     assert x["step_seconds"] > 0 and x["estimate_step_seconds"] > 0 and x["mbu"] > 0
     assert x["measured_over_estimate"] == pytest.approx(x["step_seconds"]
                                                         / x["estimate_step_seconds"])
+
+
+@pytest.mark.slow  # a subprocess with its own compile (~15 s)
+def test_generate_cli_answers_with_a_lora_adapter(tiny_model_dir, tmp_path):
+  """`jinfer generate --lora DIR` sizes the slots to the adapter and answers with it: the text
+  of an engine serving the same adapter, not the base model's."""
+  import peft
+  import torch
+  import transformers
+  from jinfer import LoRARequest, SamplingParams
+  from jinfer.engine.engine import LLMEngine
+  from jinfer.engine.engine_config import EngineConfig
+  torch.manual_seed(0)
+  hf = transformers.LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+  model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                  target_modules=["q_proj", "down_proj"]))
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "lora_B" in name:
+        p.mul_(20.0)
+  model.save_pretrained(str(tmp_path / "adapter"))
+  args = ["--model", tiny_model_dir, "--raw", "--max-model-len", "64", "--max-tokens", "6",
+          "t3 t4 t5"]
+  def cli(*extra):
+    proc = subprocess.run([sys.executable, "-m", "jinfer.cli", "generate", *extra, *args],
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout.rstrip("\n")
+  got = cli("--lora", str(tmp_path / "adapter"))
+  engine = LLMEngine(tiny_model_dir, config=EngineConfig.of(max_model_len=64, enable_lora=True,
+                                                            max_lora_rank=4), warmup="never")
+  params = SamplingParams(max_tokens=6, temperature=0.0)
+  rids = [engine.add_request(None, "t3 t4 t5", params, lora_request=lora)
+          for lora in (LoRARequest("a", 1, str(tmp_path / "adapter")), None)]
+  out = engine.run_to_completion()
+  want, base = (out[r].outputs[0].text for r in rids)
+  assert got == want != base

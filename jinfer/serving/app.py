@@ -29,13 +29,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jinfer.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
                                         RequestAbortedError, RequestFailedError)
+from jinfer.serving.adapters import ServedAdapters
 from jinfer.serving.completions import OpenAIServing
 from jinfer.serving.errors import APIError, BadRequest, error_response
 from jinfer.serving.guard import RequestGuard
 from jinfer.serving.metrics import ServerMetrics
 from jinfer.serving.options import ServerOptions
 from jinfer.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo,
-                                     ModelCard, ModelList, SamplingRequest)
+                                     LoadLoRAAdapterRequest, ModelCard, ModelList,
+                                     SamplingRequest, UnloadLoRAAdapterRequest)
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +82,10 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str,
   """The app; its lifespan starts the engine loop and, at shutdown, drains it for up to
   `options.shutdown_timeout` seconds before aborting what is left."""
   metrics = ServerMetrics(engine, model_name)
-  serving = OpenAIServing(engine, model_name, metrics,
+  adapters = ServedAdapters(engine, model_name, options.lora_modules,
+                            allowed_roots=options.lora_allowed_roots,
+                            allow_runtime_updating=options.allow_runtime_lora_updating)
+  serving = OpenAIServing(engine, metrics, adapters,
                           enable_auto_tool_choice=options.enable_auto_tool_choice,
                           tool_call_parser=options.tool_call_parser)
   created = int(time.time())
@@ -125,17 +130,12 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str,
                                                                  api_key.encode()):
       raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
-  def check_model(name: str):
-    if name != model_name:
-      raise APIError(404, f"The model `{name}` does not exist.", param="model",
-                     code="model_not_found")
-
   async def parse(request: Request, model: type[_Body]) -> _Body:
     try:
       body = await engine.prepare(model.model_validate_json, await request.body())
     except ValidationError as e:
       raise _invalid(e) from None
-    check_model(body.model)
+    adapters.lookup(body.model)  # 404 for a model this server does not serve
     if body.model_extra:
       log.warning("ignored request fields: %s", ", ".join(sorted(body.model_extra)))
     return body
@@ -167,8 +167,30 @@ def build_app(engine: AsyncLLMEngine, *, model_name: str,
 
   @v1.get("/models")
   async def models():
-    return ModelList(data=[ModelCard(id=model_name, created=created,
-                                     max_model_len=engine.max_model_len)]).model_dump()
+    cards = [ModelCard(id=model_name, created=created, max_model_len=engine.max_model_len)]
+    cards += [ModelCard(id=a.lora_name, created=created, max_model_len=engine.max_model_len,
+                        root=a.lora_path, parent=model_name) for a in adapters.served()]
+    return ModelList(data=cards).model_dump()
+
+  async def lora_body(request: Request, model: type[BaseModel]):
+    try:
+      return model.model_validate_json(await request.body())
+    except ValidationError as e:
+      raise _invalid(e) from None
+
+  @v1.post("/load_lora_adapter")
+  async def load_lora_adapter(request: Request):
+    adapters.check_runtime()
+    body = await lora_body(request, LoadLoRAAdapterRequest)
+    await engine.prepare(adapters.load, body.lora_name, body.lora_path)  # reads its files
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+  @v1.post("/unload_lora_adapter")
+  async def unload_lora_adapter(request: Request):
+    adapters.check_runtime()
+    body = await lora_body(request, UnloadLoRAAdapterRequest)
+    adapters.unload(body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
   @v1.post("/completions")
   async def completions(request: Request):

@@ -9,8 +9,10 @@ from typing import AsyncIterator
 
 from jinfer.engine.async_engine import (AsyncLLMEngine, EngineDeadError, RequestAbortedError,
                                         RequestFailedError, RequestStream)
+from jinfer.engine.lora_slots import LoRARequest
 from jinfer.engine.request import CompletionOutput, RequestOutput
 from jinfer.sampling.params import SamplingParams
+from jinfer.serving.adapters import ServedAdapters
 from jinfer.serving.errors import BadRequest
 from jinfer.serving.metrics import ServerMetrics
 from jinfer.serving.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
@@ -74,9 +76,10 @@ def stream_error(e: BaseException) -> ErrorResponse:
 
 class OpenAIServing:
 
-  def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics, *,
-               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
-    self.engine, self.model_name, self.metrics = engine, model_name, metrics
+  def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics, adapters: ServedAdapters,
+               *, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
+    self.engine, self.metrics = engine, metrics
+    self.adapters = adapters  # the `model` field -> its LoRA adapter (or the base model)
     self.tokenizer = engine.tokenizer
     self._token_text: dict[int, str] = {}
     self.enable_auto_tool_choice, self.tool_call_parser = enable_auto_tool_choice, tool_call_parser
@@ -110,7 +113,7 @@ class OpenAIServing:
     before any is queued."""
     params = req.sampling_params()
     prompts = await self.engine.prepare(self._completion_prompts, req, params)
-    return self._submit(prompts, params, request_id)
+    return self._submit(prompts, params, request_id, self.adapters.lookup(req.model))
 
   def _completion_prompts(self, req: CompletionRequest, params: SamplingParams) -> list[list[int]]:
     prompts = req.prompts()
@@ -127,7 +130,7 @@ class OpenAIServing:
     if parser is not None and parser.needs_special_tokens:
       params = dataclasses.replace(params, skip_special_tokens=False)
     ids = await self.engine.prepare(self._chat_prompt, req, params)
-    return self._submit([ids], params, request_id)
+    return self._submit([ids], params, request_id, self.adapters.lookup(req.model))
 
   def _chat_prompt(self, req: ChatCompletionRequest, params: SamplingParams) -> list[int]:
     kwargs = req.chat_template_kwargs or {}
@@ -176,12 +179,12 @@ class OpenAIServing:
       raise BadRequest(where + msg, param=param,
                        code="context_length_exceeded" if too_long else None) from None
 
-  def _submit(self, prompts: list[list[int]], params: SamplingParams,
-              request_id: str) -> list[RequestStream]:
+  def _submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+              lora: LoRARequest | None) -> list[RequestStream]:
     streams: list[RequestStream] = []
     try:
       for i, ids in enumerate(prompts):
-        streams.append(self.engine.generate(ids, params, f"{request_id}-{i}"))
+        streams.append(self.engine.generate(ids, params, f"{request_id}-{i}", lora_request=lora))
     except BaseException:  # e.g. the queue filled up halfway: take back what went in
       for s in streams:
         s.close()
@@ -276,7 +279,7 @@ class OpenAIServing:
             stop_reason=c.stop_reason,
             logprobs=None if req.logprobs is None
             else self._completion_logprobs(c.token_ids, c.logprobs, 0)))
-    return CompletionResponse(id=request_id, created=created, model=self.model_name,
+    return CompletionResponse(id=request_id, created=created, model=req.model,
                               choices=choices, usage=_usage(finals))
 
   async def completion_stream(self, req: CompletionRequest, streams: list[RequestStream],
@@ -301,11 +304,11 @@ class OpenAIServing:
                                                  offsets.get(idx, 0))
             offsets[idx] = offsets.get(idx, 0) + sum(map(len, logprobs.tokens))
           yield sse(CompletionResponse(
-              id=request_id, created=created, model=self.model_name,
+              id=request_id, created=created, model=req.model,
               choices=[CompletionChoice(index=idx, text=c.delta_text, logprobs=logprobs,
                                         finish_reason=finish, stop_reason=c.stop_reason)]))
       if req.include_usage:
-        yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
+        yield sse(CompletionResponse(id=request_id, created=created, model=req.model,
                                      choices=[], usage=_usage(finals)))
     except (RequestFailedError, RequestAbortedError, EngineDeadError) as e:
       yield sse(stream_error(e))
@@ -331,7 +334,7 @@ class OpenAIServing:
           finish_reason=_finish(c, bool(calls)), stop_reason=c.stop_reason,
           logprobs=self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
           if req.logprobs else None))
-    return ChatCompletionResponse(id=request_id, created=created, model=self.model_name,
+    return ChatCompletionResponse(id=request_id, created=created, model=req.model,
                                   choices=choices, usage=_usage([final]))
 
   async def chat_stream(self, req: ChatCompletionRequest, streams: list[RequestStream],
@@ -339,7 +342,7 @@ class OpenAIServing:
     created = int(time.time())
 
     def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
-      return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name,
+      return sse(ChatCompletionChunk(id=request_id, created=created, model=req.model,
                                      choices=choices, usage=usage))
 
     parser = self.tool_parser(req)

@@ -29,6 +29,12 @@ class ServerOptions:
   # template without a tool format gets jinfer's default tool prompt and the hermes parser.
   enable_auto_tool_choice: bool = False
   tool_call_parser: str | None = None
+  # LoRA (the engine needs enable_lora): adapters served by name from the start, (name, path)
+  # pairs; whether clients may load and unload more, and from under which directories
+  # (jinfer/serving/adapters.py; default: the startup adapters' and the shipped ones').
+  lora_modules: tuple[tuple[str, str], ...] = ()
+  allow_runtime_lora_updating: bool = False
+  lora_allowed_roots: tuple[str, ...] = ()
 
   def __post_init__(self):
     for name in ("max_request_bytes", "max_connections", "max_waiting"):
@@ -46,3 +52,5 @@ class ServerOptions:
                          f"{self.tool_call_parser!r}")
     object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
     object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+    object.__setattr__(self, "lora_modules", tuple(map(tuple, self.lora_modules)))
+    object.__setattr__(self, "lora_allowed_roots", tuple(self.lora_allowed_roots))

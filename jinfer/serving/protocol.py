@@ -457,6 +457,22 @@ class ModelCard(_Response):
   created: int
   owned_by: str = "jinfer"
   max_model_len: int
+  root: str | None = None  # an adapter's path (vLLM's field)
+  parent: str | None = None  # an adapter's base model
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+  """POST /v1/load_lora_adapter (vLLM's body)."""
+  model_config = ConfigDict(extra="forbid", strict=True)
+  lora_name: str = Field(min_length=1)
+  lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+  """POST /v1/unload_lora_adapter (vLLM's body; its `lora_int_id` is accepted and unused)."""
+  model_config = ConfigDict(extra="forbid", strict=True)
+  lora_name: str = Field(min_length=1)
+  lora_int_id: int | None = None
 
 
 class ModelList(_Response):

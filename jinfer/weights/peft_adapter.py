@@ -230,6 +230,12 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
   return out
 
 
+def adapter_rank(path: str) -> int:
+  """The rank `r` of a PEFT adapter directory (or shipped adapter's name), its config checked."""
+  path = adapter_path(path) if path in SHIPPED_ADAPTERS and not os.path.isdir(path) else path
+  return _check_config(_read_config(path), path, None)[0]
+
+
 def load_peft_adapter(path: str, config: ModelConfig, *, max_rank: int | None = None
                       ) -> LoraAdapter:
   """Read and check a PEFT LoRA adapter directory (or a shipped adapter's built-in name, e.g.
