@@ -254,6 +254,10 @@ def cmd_serve(args):
   config = _engine_config(args)
   dist = DistributedConfig(coordinator_address=args.coordinator_address,
                            num_processes=args.num_processes, process_id=args.process_id)
+  try:
+    lora_modules = parse_lora_modules(args.lora_modules)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
   options = ServerOptions(
       host=args.host, port=args.port, api_key=args.api_key,
       allowed_hosts=tuple(args.allowed_hosts), allowed_origins=tuple(args.allowed_origins),
@@ -262,7 +266,7 @@ def cmd_serve(args):
       max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
       enable_auto_tool_choice=args.enable_auto_tool_choice,
       tool_call_parser=args.tool_call_parser,
-      lora_modules=parse_lora_modules(args.lora_modules),
+      lora_modules=lora_modules,
       allow_runtime_lora_updating=args.allow_runtime_lora_updating,
       lora_allowed_roots=tuple(args.lora_allowed_roots))
   serve(args.model, options=options, served_model_name=args.served_model_name, config=config,

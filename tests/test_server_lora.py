@@ -182,3 +182,12 @@ def test_startup_refuses_a_bad_module(tiny_model, dirs):
   with pytest.raises(ValueError, match="need --enable-lora"):
     with live_server(plain, BASE, lora_modules=(("one", dirs["one"]),)):
       pass
+
+
+def test_lora_modules_flags_parse_both_forms():
+  from jinfer.serving.adapters import parse_lora_modules
+  assert parse_lora_modules(["a=/x/y", '{"name": "b", "path": "smollm2-135m-signoff"}']) == (
+      ("a", "/x/y"), ("b", "smollm2-135m-signoff"))
+  for bad in ["a", "=p", "a=", '{"name": "b"}']:
+    with pytest.raises(ValueError, match="--lora-modules"):
+      parse_lora_modules([bad])
