@@ -18,7 +18,7 @@ import threading
 from jinfer.engine.async_engine import AsyncLLMEngine
 from jinfer.engine.lora_slots import LoRARequest
 from jinfer.serving.errors import APIError
-from jinfer.weights.builtin import CHECKPOINTS_DIR, SHIPPED_ADAPTERS, adapter_path
+from jinfer.weights.builtin import CHECKPOINTS_DIR, resolve_adapter
 
 
 def parse_lora_modules(specs) -> tuple[tuple[str, str], ...]:
@@ -39,13 +39,6 @@ def parse_lora_modules(specs) -> tuple[tuple[str, str], ...]:
   return tuple(out)
 
 
-def _resolve(path: str) -> str:
-  """A shipped adapter's name -> its folder; any path -> its real absolute path."""
-  if path in SHIPPED_ADAPTERS and not os.path.isdir(path):
-    path = adapter_path(path)
-  return os.path.realpath(path)
-
-
 class ServedAdapters:
   def __init__(self, engine: AsyncLLMEngine, base_name: str, modules=(), *,
                allowed_roots=(), allow_runtime_updating: bool = False):
@@ -54,12 +47,12 @@ class ServedAdapters:
     self._lock = threading.Lock()
     self._by_name: dict[str, LoRARequest] = {}
     self._ids = itertools.count(1)
-    if (modules or allow_runtime_updating) and engine.engine.adapters is None:
+    if (modules or allow_runtime_updating) and not engine.engine.config.lora.enable_lora:
       raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     paths = []
     for name, path in modules:
       try:
-        paths.append(self._add(name, _resolve(path)).lora_path)
+        paths.append(self._add(name, os.path.realpath(resolve_adapter(path))).lora_path)
       except (APIError, ValueError) as e:
         raise ValueError(f"--lora-modules {name}={path}: {e}") from None
     roots = allowed_roots or [os.path.dirname(p) for p in paths] + [CHECKPOINTS_DIR]
@@ -104,7 +97,7 @@ class ServedAdapters:
   def load(self, name: str, path: str) -> LoRARequest:
     """A client's load: the path must resolve under an allowed root."""
     self.check_runtime()
-    real = _resolve(path)
+    real = os.path.realpath(resolve_adapter(path))
     if not any(os.path.commonpath([real, root]) == root for root in self.allowed_roots):
       raise APIError(403, f"lora_path {path!r} is outside the directories this server loads "
                           f"adapters from (--lora-allowed-roots)", param="lora_path")

@@ -137,6 +137,11 @@ def checkpoint_path(name: str) -> str:
   return os.path.join(CHECKPOINTS_DIR, name)
 
 
+def resolve_adapter(path: str) -> str:
+  """A LoRA adapter's path as given, or a shipped adapter's folder for its name."""
+  return adapter_path(path) if path in SHIPPED_ADAPTERS and not os.path.isdir(path) else path
+
+
 def adapter_path(name: str) -> str:
   """The installed directory of a shipped LoRA adapter (adapter_config.json and
   adapter_model.safetensors)."""

@@ -26,7 +26,7 @@ import numpy as np
 
 from jinfer.config import ModelConfig
 from jinfer.errors import ParameterError
-from jinfer.weights.builtin import SHIPPED_ADAPTERS, adapter_path
+from jinfer.weights.builtin import resolve_adapter
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -232,7 +232,7 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
 
 def adapter_rank(path: str) -> int:
   """The rank `r` of a PEFT adapter directory (or shipped adapter's name), its config checked."""
-  path = adapter_path(path) if path in SHIPPED_ADAPTERS and not os.path.isdir(path) else path
+  path = resolve_adapter(path)
   return _check_config(_read_config(path), path, None)[0]
 
 
@@ -241,8 +241,7 @@ def load_peft_adapter(path: str, config: ModelConfig, *, max_rank: int | None = 
   """Read and check a PEFT LoRA adapter directory (or a shipped adapter's built-in name, e.g.
   "smollm2-135m-signoff") for the model `config` describes; the factors in jinfer's layout,
   float32, the scaling folded into b. Raises AdapterError."""
-  if path in SHIPPED_ADAPTERS and not os.path.isdir(path):
-    path = adapter_path(path)
+  path = resolve_adapter(path)
   cfg = _read_config(path)
   rank, scaling = _check_config(cfg, path, max_rank)
   picked = _targets(cfg, config, path)
