@@ -9,3 +9,8 @@ class ParameterError(ValueError):
   def __init__(self, param: str, message: str):
     super().__init__(message)
     self.param = param
+
+
+class EngineStateError(RuntimeError):
+  """A call the engine cannot take in its present state: generating while it is asleep or
+  paused, or updating its weights while requests run."""

@@ -11,6 +11,7 @@ with its shape and the compiled functions' names, reports the count in
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 
@@ -35,6 +36,16 @@ class CompileGuard:
   def arm(self) -> None:
     """Count from now on, on the calling thread (the one that runs steps)."""
     self._thread = threading.get_ident()
+
+  @contextlib.contextmanager
+  def suspended(self):
+    """Not counting meanwhile: work asked for between steps (new weights cast and placed,
+    weights back from host memory), which no request waits on, not a step's compile."""
+    thread, self._thread = self._thread, None
+    try:
+      yield
+    finally:
+      self._thread = thread
 
   @property
   def armed(self) -> bool:

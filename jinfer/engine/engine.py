@@ -24,7 +24,7 @@ from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jinfer.engine.step_compiler import StepCompiler
 from jinfer.engine.step_input import MAX_BANNED, RowError, StepInput, build_step_input
-from jinfer.engine import weight_quantization
+from jinfer.engine import weight_quantization, weight_update
 from jinfer.models import linear_kernels, param_shapes
 from jinfer.models.lora import empty_slots, target_shapes
 from jinfer.parallel.mesh import make_mesh
@@ -32,7 +32,7 @@ from jinfer.parallel.sharding import check_tensor_parallel, duplicate_kv_heads
 from jinfer.sampling.grammar import GrammarCompiler
 from jinfer.sampling.sample import SampleOutput
 from jinfer.sampling.params import SamplingParams
-from jinfer.errors import ParameterError
+from jinfer.errors import EngineStateError, ParameterError
 from jinfer.engine.speculative.pause import after_verify, paused
 from jinfer.engine.speculative.proposer import Proposer, Target
 from jinfer.engine.speculative.registry import create_proposer
@@ -171,17 +171,10 @@ class LLMEngine:
       mesh = make_mesh(par, devices)
     # One device gets no mesh in the kernels: attention skips the per-shard wrapper.
     kernels = config.kernel_options(mesh if par.is_parallel else None)
-    # Quantized before KV heads are duplicated for the mesh: calibration sees the model's own
-    # heads, and every shard count runs the weights one device runs.
-    run_params = weight_quantization.quantize_weights(
-        model_config, params, config.model.quantization,
-        weight_quantization.check_config(config.model.quantization,
-                                         config.model.quantization_config),
-        int8_transposed=kernels.int8_transposed, tokenizer=tokenizer)
-    run_config = model_config
-    if mesh is not None:
-      run_config, run_params = duplicate_kv_heads(model_config, run_params,
-                                                  par.tensor_parallel_size)
+    self.dtype = dtype
+    self._int8_transposed = kernels.int8_transposed
+    self._kv_head_copies_for = par.tensor_parallel_size if mesh is not None else None
+    run_config, run_params = self._run_layout(params, tokenizer)
     if spec is not None:
       self.proposer = create_proposer(spec, Target(
           config=model_config, params=params, run_config=run_config, run_params=run_params,
@@ -212,6 +205,8 @@ class LLMEngine:
     if lora.enable_lora:  # compiles the slot writer now, not when the first adapter comes
       self.runner.write_adapter(0, self._lora_pad(None))
     self.groups: dict[str, _Group] = {}
+    self._paused = False  # pause_generation: no step runs
+    self._sleep_level = 0  # sleep: 1 weights in host memory, 2 dropped; the KV cache freed
     # Disaggregated serving (jinfer/engine/disaggregated.py): a prefill engine parks each
     # sequence once its prompt is computed and its first token sampled, pages held, in
     # `handoffs` for the coordinator to move to a decode engine (see `adopt`).
@@ -230,6 +225,21 @@ class LLMEngine:
     # compile on the serving path. Without warmup, steps compile lazily on first use (tests).
     self._ahead = warmup
     self.warmup_seconds = (self.warmup(None if warmup is True else warmup) if warmup else 0.0)
+
+  def _run_layout(self, params: dict, tokenizer: Tokenizer | None = None
+                  ) -> tuple[ModelConfig, dict]:
+    """(the config the runner runs, `params` as it runs them): quantized as the engine's
+    `quantization` says, KV heads duplicated for a mesh of more tensor shards than KV heads.
+    Quantized before the heads are duplicated: calibration sees the model's own heads, and
+    every shard count runs the weights one device runs."""
+    m = self.config.model
+    run_params = weight_quantization.quantize_weights(
+        self.model_config, params, m.quantization,
+        weight_quantization.check_config(m.quantization, m.quantization_config),
+        int8_transposed=self._int8_transposed, tokenizer=tokenizer)
+    if self._kv_head_copies_for is None:
+      return self.model_config, run_params
+    return duplicate_kv_heads(self.model_config, run_params, self._kv_head_copies_for)
 
   def save_quantized(self, path: str, source: str | None = None) -> None:
     """Save the quantized weights this engine runs under directory `path`; `LLM(path)` loads
@@ -457,8 +467,116 @@ class LLMEngine:
     """Requests with a sequence in the running batch (what a failed step would have run)."""
     return {seq.group_id for seq in self.scheduler.running}
 
+  # -- weights, pausing and sleeping ----------------------------------------------------------
+  def pause_generation(self) -> None:
+    """Run no step until `resume_generation` (`step` returns nothing meanwhile): requests in
+    flight keep their place and their tokens, and new ones may be added. While paused (or
+    idle) the weights may be updated and the engine put to sleep."""
+    self._paused = True
+
+  def resume_generation(self) -> None:
+    self._paused = False
+
+  @property
+  def is_paused(self) -> bool:
+    return self._paused
+
+  @property
+  def is_sleeping(self) -> bool:
+    return self._sleep_level > 0
+
+  def _quiet(self, what: str) -> None:
+    """Refuse `what` while steps may run on requests in flight; let them be recomputed (their
+    tokens kept) otherwise: their K/V and every cached prefix were computed on weights about to
+    change or go."""
+    if self.groups and not self._paused:
+      raise EngineStateError(f"{what}: {len(self.groups)} request(s) in flight; call "
+                             f"pause_generation() first (they go on after "
+                             f"resume_generation()), or let them finish")
+    if self.runner._multiprocess:
+      raise ParameterError("num_processes", f"{what} does not run on a mesh of several "
+                                            f"processes yet")
+
+  def _forget_kv(self) -> None:
+    self.scheduler.preempt_all()  # tokens kept, K/V recomputed when they run again
+    self.blocks.forget_cached()
+
+  def update_weights(self, params: dict) -> None:
+    """Run `params` from the next step on: jinfer's params tree of this model (the stacked
+    layout `LLMEngine.from_parts` takes, float), every leaf of the model's shape. A leaf of the
+    engine's dtype placed as the engine places it (`weight_shardings`) is used without a copy
+    (the engine then shares it: a trainer must not donate or delete it); other leaves are cast
+    and put onto the engine's devices. A quantized engine quantizes them as it quantized its
+    own (int8, w8a8 without SmoothQuant, int4 RTN: round to nearest, no calibration). Nothing
+    compiles again. Idle or paused only (`pause_generation`): requests in flight keep their
+    tokens and go on on the new weights, their K/V recomputed, and the prefix cache is dropped.
+    A bad tree raises a ParameterError naming the leaf, and the engine keeps its weights."""
+    self._quiet("update_weights")
+    m = self.config.model
+    options = weight_quantization.check_config(m.quantization, m.quantization_config)
+    if m.quantization == "gguf" or weight_quantization.calibrated(m.quantization, options):
+      raise ParameterError("quantization", f"update_weights quantizes by rounding to nearest; "
+                           f"this engine's quantization={m.quantization!r} "
+                           f"{options or ''} keeps a GGUF file's blocks or calibrates on text")
+    params = weight_update.checked(params, param_shapes(self.model_config, self.dtype))
+    with self.guard.suspended():
+      _, run_params = self._run_layout(params)
+      self._forget_kv()
+      self.runner.set_params(run_params)
+
+  def load_weights(self, named_arrays) -> None:
+    """`update_weights` from every tensor of the model by its HF name (a dict, or (name,
+    array) pairs, as vLLM's `load_weights` takes them; numpy or JAX arrays in transformers'
+    layouts). A WeightError names a tensor that is missing, misshapen or maps to nothing."""
+    self._quiet("load_weights")
+    with self.guard.suspended():
+      params = weight_update.from_hf(self.model_config, named_arrays, self.dtype)
+    self.update_weights(params)
+
+  def weight_shardings(self) -> dict:
+    """Where `update_weights` puts each leaf of jinfer's params tree (a float engine without
+    duplicated KV heads runs leaves placed so as they are)."""
+    return self.runner.param_shardings
+
+  def sleep(self, level: int = 1) -> None:
+    """Free device memory, idle or paused: the KV cache, and the weights: moved to host memory
+    (`level=1`) or dropped (`level=2`; `update_weights` or `load_weights` then brings new
+    ones). Requests in flight are recomputed after `wake_up`, as after an update. Sleeping
+    again is a no-op, except that level 2 drops the host copy of a level-1 sleep."""
+    if level not in (1, 2):
+      raise ParameterError("level", f"sleep level must be 1 (weights to host memory) or 2 "
+                                    f"(weights dropped), got {level!r}")
+    if level <= self._sleep_level:
+      return
+    self._quiet("sleep")
+    self.compiler.join()  # its compiles read the weights and the cache that sleep lets go
+    with self.guard.suspended():
+      if not self._sleep_level:
+        self._forget_kv()
+        self.runner.free_kv_cache()
+      self.runner.offload_params(keep=level == 1)
+    self._sleep_level = level
+
+  def wake_up(self) -> None:
+    """Back from `sleep`: the weights (from host memory, or those an update brought while
+    asleep) and an empty KV cache on the devices; nothing compiles. A no-op when awake."""
+    if not self._sleep_level:
+      return
+    if not self.runner.has_params:
+      raise EngineStateError("wake_up: the weights were dropped (sleep(level=2)); give new "
+                             "ones with update_weights() or load_weights() first")
+    with self.guard.suspended():
+      if self.runner.stacked_params is None:
+        self.runner.restore_params()
+      self.runner.allocate_kv_cache()
+    self._sleep_level = 0
+
   # -- the loop -----------------------------------------------------------------------------
   def step(self) -> list[RequestOutput]:
+    if self._paused:
+      return []
+    if self._sleep_level and self.groups:
+      raise EngineStateError("the engine is asleep: wake_up() before generating")
     c = self.compiler if self._ahead and not self.compiler.done else None
     # Until every bucket is compiled, a step fits the largest compiled one.
     batch = self.scheduler.schedule(None if c is None else c.largest)
@@ -764,6 +882,9 @@ class LLMEngine:
 
   def run_to_completion(self, request_ids: Iterable[str] | None = None) -> dict[str, RequestOutput]:
     """Step until every request (or the given ones) finished; their final outputs by id."""
+    if self._paused and self.groups:
+      raise EngineStateError("the engine is paused: resume_generation() before running "
+                             "requests to completion")
     wanted = set(request_ids) if request_ids is not None else None
     final: dict[str, RequestOutput] = {}
     while self.has_unfinished_requests():

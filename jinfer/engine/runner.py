@@ -136,7 +136,7 @@ class Variant:
   """One way to run the layer stack: the model, the params in the layout it reads, and its
   jitted step."""
   model: CausalLM
-  params: dict
+  params: dict | None
   step: Callable
 
 
@@ -184,6 +184,10 @@ class ModelRunner:
                                          else jax.devices()[0])
       params = jax.device_put(params, kv_sharding)
       lora_sharding = kv_sharding
+    # Where each weight lives: new weights (`set_params`) and weights back from host memory
+    # (`restore_params`) are placed so, and the compiled steps take them as they are.
+    self.param_shardings = jax.tree.map(lambda a: a.sharding, params)
+    self._host_params = None  # the weights in host memory while `offload_params` holds them
     # Written one slot at a time by a donated update: an adapter's load compiles nothing.
     self.lora = None if lora_slots is None else jax.device_put(lora_slots, lora_sharding)
     self._write_slot = jax.jit(
@@ -197,15 +201,14 @@ class ModelRunner:
     def variant(scan: bool) -> Variant:
       model = CausalLM(config, kernels, dtype=dtype, scan_layers=scan, kv_groups=kv_groups,
                        unroll_scan=unroll_scan)
-      return Variant(model, params if scan else unstack_layers(params, config.num_layers),
-                     jit(model))
+      return Variant(model, None, jit(model))  # params: `_use_params`
 
     scanned = buckets.token_buckets[-1] > unrolled_max_tokens
     self._main = variant(scanned)
-    self.model, self.params = self._main.model, self._main.params
-    self.stacked_params = params  # the layout every variant's params are views or slices of
+    self.model = self._main.model
     self._small = (variant(False) if scanned and buckets.token_buckets[0] <= unrolled_max_tokens
                    else None)
+    self._use_params(params)
     # An array, or values and scales (`QuantizedKVCache`) for an int8 / fp8 cache.
     self._allocate = jax.jit(spec.allocate, out_shardings=kv_sharding)
     self.kv_cache = self._allocate()
@@ -277,6 +280,53 @@ class ModelRunner:
       raise
     return jax.tree.map(np.asarray, out)
 
+  def _use_params(self, params: dict | None) -> None:
+    """Every variant runs `params` (placed already; None: no weights on the devices)."""
+    self.stacked_params = params  # the layout every variant's params are views or slices of
+    for name in ("_main", "_small"):
+      v = getattr(self, name)
+      if v is not None:
+        setattr(self, name, dataclasses.replace(v, params=(
+            params if params is None or v.model.scan_layers
+            else unstack_layers(params, self.config.num_layers))))
+    self.params = self._main.params
+
+  def set_params(self, params: dict) -> None:
+    """Run `params` (the stacked layout, shaped and typed as the current ones) from the next
+    step on, placed as the current ones are: an array placed so already is used as it is, not
+    copied. A host copy `offload_params` kept is dropped."""
+    self._host_params = None
+    self._use_params(jax.device_put(params, self.param_shardings))
+
+  def offload_params(self, keep: bool) -> None:
+    """Let go of the weights on the devices; `keep` copies them into host memory first (for
+    `restore_params`). Arrays someone else still holds (a trainer's, used without a copy) stay
+    where they are."""
+    if keep and self.stacked_params is not None:
+      host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), self.param_shardings)
+      self._host_params = jax.block_until_ready(jax.device_put(self.stacked_params, host))
+    elif not keep:
+      self._host_params = None
+    self._use_params(None)
+
+  def restore_params(self) -> None:
+    """The weights `offload_params(keep=True)` moved to host memory, back on the devices."""
+    self._use_params(jax.device_put(self._host_params, self.param_shardings))
+    self._host_params = None
+
+  @property
+  def has_params(self) -> bool:
+    """Weights on the devices or in host memory."""
+    return self.stacked_params is not None or self._host_params is not None
+
+  def free_kv_cache(self) -> None:
+    for a in jax.tree.leaves(self.kv_cache):
+      a.delete()  # now, whoever else refers to it: nothing outside the runner reads the cache
+    self.kv_cache = None
+
+  def allocate_kv_cache(self) -> None:
+    self.kv_cache = self._allocate()
+
   def write_adapter(self, slot: int, weights: dict) -> None:
     """Put one adapter's weights (`lora_slots.pad_adapter`'s tree) in device slot `slot`."""
     self.lora = self._write_slot(self.lora, np.int32(slot), weights)
@@ -328,7 +378,7 @@ class ModelRunner:
 
   @property
   def kv_cache_bytes(self) -> int:
-    return self.kv_cache.nbytes
+    return 0 if self.kv_cache is None else self.kv_cache.nbytes
 
   def bytes_per_device(self) -> dict:
     """{device: (weight bytes, KV cache bytes)} for the devices this process holds."""

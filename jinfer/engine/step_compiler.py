@@ -145,6 +145,11 @@ class StepCompiler:
       raise self.error
     self.compile(self.buckets)
 
+  def join(self) -> None:
+    """Until the background thread, if one runs, has compiled the rest."""
+    if self._thread is not None:
+      self._thread.join()
+
   def close(self) -> None:
     """Stop after the bucket being compiled (a compile cannot be interrupted)."""
     self._stop = True

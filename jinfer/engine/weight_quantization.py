@@ -125,6 +125,13 @@ def save(path: str, params: dict, *, source: str, quantization: str | None,
                  quantization_config=check_config(quantization, quantization_config))
 
 
+def calibrated(quantization: str | None, options: dict) -> bool:
+  """Whether `quantization` (`options`: `check_config`'s) calibrates on text: SmoothQuant,
+  AWQ and GPTQ do; round-to-nearest does not."""
+  return ((quantization == "w8a8" and options["smoothquant"])
+          or (quantization == "int4" and options["method"] != "rtn"))
+
+
 def quantize_weights(config: ModelConfig, params: dict, quantization: str | None,
                      options: dict, *, int8_transposed: bool, tokenizer=None) -> dict:
   """`params` as `quantization` runs them (`options`: `check_config`'s). Params a checkpoint
@@ -133,8 +140,7 @@ def quantize_weights(config: ModelConfig, params: dict, quantization: str | None
   if quantization in (None, "gguf") or any(map(done, jax.tree.leaves(params, is_leaf=done))):
     return params
   kernels, declared = linear_kernels(config, int8_transposed), linear_kernels(config)
-  calibrates = ((quantization == "w8a8" and options["smoothquant"])
-                or (quantization == "int4" and options["method"] != "rtn"))
+  calibrates = calibrated(quantization, options)
   tokens = calibration_tokens(_calibration(tokenizer)) if calibrates else None
   # Gemma's norms scale by 1 + their param: scales fold into that.
   calibrate = lambda: dict(model=CausalLM(config), calibration=tokens,
