@@ -72,32 +72,27 @@ def idle(tiny_model, weights):
 
 
 # -- bad input: an error naming it, and the old weights kept --------------------------------
-def _without(params: dict, *path: str) -> dict:
+def _edited(params: dict, path: tuple[str, ...], value=None) -> dict:
+  """A copy of the tree with the leaf at `path` set to `value` (None: taken out)."""
   out = jax.tree.map(lambda a: a, params)
   node = out
   for key in path[:-1]:
     node = node[key]
-  del node[path[-1]]
-  return out
-
-
-def _with(params: dict, value, *path: str) -> dict:
-  out = jax.tree.map(lambda a: a, params)
-  node = out
-  for key in path[:-1]:
-    node = node[key]
-  node[path[-1]] = value
+  if value is None:
+    del node[path[-1]]
+  else:
+    node[path[-1]] = value
   return out
 
 
 @pytest.mark.parametrize("bad, says", [
-    (lambda p: _without(p, "layers", "attn", "q_proj", "kernel"),
+    (lambda p: _edited(p, ("layers", "attn", "q_proj", "kernel")),
      r"params\['layers'\]\['attn'\]\['q_proj'\]\['kernel'\] is missing"),
-    (lambda p: _with(p, p["embedding"][:, :8], "embedding"),
+    (lambda p: _edited(p, ("embedding",), p["embedding"][:, :8]),
      r"params\['embedding'\] has shape \(49152, 8\), expected \(49152, 64\)"),
-    (lambda p: _with(p, p["norm"]["scale"].astype(np.int32), "norm", "scale"),
+    (lambda p: _edited(p, ("norm", "scale"), p["norm"]["scale"].astype(np.int32)),
      r"params\['norm'\]\['scale'\] has dtype int32, expected a floating-point"),
-    (lambda p: _with(p, np.zeros(3, np.float32), "layers", "attn", "extra"),
+    (lambda p: _edited(p, ("layers", "attn", "extra"), np.zeros(3, np.float32)),
      r"params\['layers'\]\['attn'\]\['extra'\] is not a parameter of this model"),
     (lambda p: [p], r"params: expected jinfer's params tree"),
 ])
@@ -216,9 +211,8 @@ def test_sleep_frees_device_memory_and_wake_restores_it(idle, weights):
   before = device_bytes()
   idle.sleep(1)
   assert before - device_bytes() >= held
-  host = [a for a in jax.tree.leaves(idle.runner._host_params)]
-  assert sum(a.nbytes for a in host) == stats.weight_bytes
-  assert {a.sharding.memory_kind for a in host} == {"pinned_host"}
+  assert sum(a.nbytes for a in jax.live_arrays()
+             if a.sharding.memory_kind == "pinned_host") >= stats.weight_bytes
   idle.sleep(1)  # asleep already: nothing to do
   idle.wake_up()
   assert device_bytes() - before < held  # back, once

@@ -70,12 +70,12 @@ def from_hf(config: ModelConfig, named_arrays: Mapping[str, Any] | Iterable[tupl
   used: set[str] = set()
 
   def get(name: str) -> np.ndarray:
-    arr = tensors[name]  # a KeyError is hf_to_params' "missing tensor"
+    arr = np.asarray(tensors[name])  # a KeyError is hf_to_params' "missing tensor"
     if not _floating(arr.dtype):
       raise WeightError(f"{SOURCE}: tensor {name!r} has dtype {arr.dtype}, expected a "
                         f"floating-point one")
     used.add(name)
-    return np.asarray(arr)
+    return arr
 
   params = hf_to_params(config, get, dtype=dtype, source=SOURCE)
   left = sorted(set(tensors) - used)
