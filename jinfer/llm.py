@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from jinfer.engine.data_parallel import create_engine
+from jinfer.engine.data_parallel import DataParallelEngine, create_engine
 from jinfer.engine.disaggregated import DisaggregatedEngine
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
@@ -66,34 +66,33 @@ class LLM:
     calibrating again (see `LLMEngine.save_quantized`)."""
     self.engine.save_quantized(path)
 
-  # -- weights, pausing and sleeping (LLMEngine's; see docs/online-learning.md) -------------
-  def _one_engine(self, what: str) -> LLMEngine:
-    if not isinstance(self.engine, LLMEngine):
-      option = ("kv_transfer_config" if isinstance(self.engine, DisaggregatedEngine)
-                else "data_parallel_size")
-      raise ParameterError(option, f"{what} runs on a single engine, not with {option} yet")
+  # -- weights, pausing and sleeping (see LLMEngine and docs/online-learning.md) ------------
+  def _engine(self, what: str) -> LLMEngine | DataParallelEngine:
+    if isinstance(self.engine, DisaggregatedEngine):
+      raise ParameterError("kv_transfer_config", f"{what} does not run on prefill and decode "
+                                                 f"engines (kv_transfer_config) yet")
     return self.engine
 
   def update_weights(self, params: dict) -> None:
     """Run new weights, jinfer's params tree (`LLMEngine.update_weights`)."""
-    self._one_engine("update_weights").update_weights(params)
+    self._engine("update_weights").update_weights(params)
 
   def load_weights(self, named_arrays) -> None:
     """Run new weights given by HF tensor names (`LLMEngine.load_weights`)."""
-    self._one_engine("load_weights").load_weights(named_arrays)
+    self._engine("load_weights").load_weights(named_arrays)
 
   def pause_generation(self) -> None:
-    self._one_engine("pause_generation").pause_generation()
+    self._engine("pause_generation").pause_generation()
 
   def resume_generation(self) -> None:
-    self._one_engine("resume_generation").resume_generation()
+    self._engine("resume_generation").resume_generation()
 
   def sleep(self, level: int = 1) -> None:
     """Free the KV cache and move the weights to host memory (1) or drop them (2)."""
-    self._one_engine("sleep").sleep(level)
+    self._engine("sleep").sleep(level)
 
   def wake_up(self) -> None:
-    self._one_engine("wake_up").wake_up()
+    self._engine("wake_up").wake_up()
 
   def generate(self, prompts: Prompt | Seq[Prompt],
                sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
@@ -130,7 +129,7 @@ class LLM:
         raise ParameterError("lora_request", f"{len(loras)} lora requests for {len(prompts)} "
                                              f"prompts")
     eng = self.engine
-    if isinstance(eng, LLMEngine) and (eng.is_sleeping or eng.is_paused):
+    if eng.is_sleeping or eng.is_paused:
       raise EngineStateError("generate: the engine is " + (
           "asleep: wake_up() first" if eng.is_sleeping else "paused: resume_generation() first"))
     ids = [eng.tokenize(p) for p in prompts]

@@ -14,6 +14,7 @@ import transformers
 from jax.sharding import NamedSharding
 
 from jinfer import LLM
+from jinfer.engine.data_parallel import DataParallelEngine
 from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.errors import EngineStateError, ParameterError
@@ -182,6 +183,30 @@ def test_tensor_parallel_reshards_and_keeps_what_is_sharded_already(tiny_model, 
   sharded = jax.device_put(weights[1], shardings)
   engine.update_weights(sharded)
   assert leaves_are(engine.runner.stacked_params, sharded)
+
+
+@pytest.mark.slow
+def test_data_parallel_ranks_update_pause_and_sleep_alike(tiny_model, weights):
+  config, _, tok = tiny_model
+  dp = DataParallelEngine.from_parts(config, weights[0], tok, warmup=False,
+                                     config=EngineConfig.of(data_parallel_size=2, **SMALL_POOL))
+  rid = dp.add_request(None, PROMPTS[0], GREEDY)
+  with pytest.raises(EngineStateError, match="in flight"):
+    dp.update_weights(weights[1])
+  dp.pause_generation()
+  assert dp.is_paused and dp.step() == []
+  dp.update_weights(weights[1])
+  for rank, e in enumerate(dp.engines):
+    q = e.runner.stacked_params["layers"]["attn"]["q_proj"]["kernel"]
+    assert q.devices() == {jax.devices()[rank]}
+    np.testing.assert_array_equal(q, weights[1]["layers"]["attn"]["q_proj"]["kernel"])
+  dp.sleep(1)
+  assert dp.is_sleeping and all(e.runner.kv_cache is None for e in dp.engines)
+  dp.wake_up()
+  dp.resume_generation()
+  assert dp.abort(rid)
+  for e in dp.engines:
+    no_leaks(e)
 
 
 @pytest.mark.slow

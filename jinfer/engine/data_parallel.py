@@ -10,6 +10,7 @@ import concurrent.futures
 import itertools
 import time
 
+from jinfer.engine import weight_update
 from jinfer.engine.disaggregated import DisaggregatedEngine
 from jinfer.engine.engine import EngineStats, LLMEngine
 from jinfer.engine.engine_config import EngineConfig
@@ -106,6 +107,46 @@ class DataParallelEngine(FrontEnd):
 
   def running_request_ids(self) -> set[str]:
     return set().union(*(e.running_request_ids() for e in self.engines))
+
+  # -- weights, pausing and sleeping: every rank alike (see LLMEngine) ----------------------
+  def _quiet(self, what: str) -> None:
+    for e in self.engines:  # every rank checked before any changes
+      e._quiet(what)
+
+  def update_weights(self, params: dict) -> None:
+    self._quiet("update_weights")
+    for e in self.engines:
+      e.update_weights(params)
+
+  def load_weights(self, named_arrays) -> None:
+    e0 = self.engines[0]
+    self.update_weights(weight_update.from_hf(e0.model_config, named_arrays, e0.dtype))
+
+  def pause_generation(self) -> None:
+    for e in self.engines:
+      e.pause_generation()
+
+  def resume_generation(self) -> None:
+    for e in self.engines:
+      e.resume_generation()
+
+  @property
+  def is_paused(self) -> bool:
+    return self.engines[0].is_paused
+
+  @property
+  def is_sleeping(self) -> bool:
+    return self.engines[0].is_sleeping
+
+  def sleep(self, level: int = 1) -> None:
+    if level > self.engines[0]._sleep_level:
+      self._quiet("sleep")
+    for e in self.engines:
+      e.sleep(level)
+
+  def wake_up(self) -> None:
+    for e in self.engines:
+      e.wake_up()
 
   # -- the loop -----------------------------------------------------------------------------
   def step(self) -> list[RequestOutput]:

@@ -16,7 +16,9 @@ from jinfer.tokenizer import Tokenizer
 class FrontEnd:
   """Subclasses define `_check(config)` (raise before anything loads: the devices do not fit)
   and `_build(model_config, params, tokenizer, config, dtype, warmup)`, which sets
-  `warmup_seconds`."""
+  `warmup_seconds`. Pausing and sleeping are the data-parallel engine's (every rank alike);
+  the others never pause or sleep."""
+  is_paused = is_sleeping = False
 
   def __init__(self, model: str, *, dtype=None, config: EngineConfig, warmup: bool | str = True,
                skip_tokenizer_init: bool = False):
