@@ -515,9 +515,10 @@ class LLMEngine:
     m = self.config.model
     options = weight_quantization.check_config(m.quantization, m.quantization_config)
     if m.quantization == "gguf" or weight_quantization.calibrated(m.quantization, options):
+      what = ("keeps a GGUF file's blocks" if m.quantization == "gguf" else
+              f"calibrates on text ({options}), which every update would redo")
       raise ParameterError("quantization", f"update_weights quantizes by rounding to nearest; "
-                           f"this engine's quantization={m.quantization!r} "
-                           f"{options or ''} keeps a GGUF file's blocks or calibrates on text")
+                           f"this engine's quantization={m.quantization!r} {what}")
     params = weight_update.checked(params, param_shapes(self.model_config, self.dtype))
     with self.guard.suspended():
       _, run_params = self._run_layout(params)
