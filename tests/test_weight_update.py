@@ -210,18 +210,23 @@ def test_data_parallel_ranks_update_pause_and_sleep_alike(tiny_model, weights):
 
 
 @pytest.mark.slow
-def test_an_int8_engine_quantizes_new_weights_as_a_fresh_one_does(tiny_model, weights):
+@pytest.mark.parametrize("options", [
+    dict(quantization="int8"),  # re-quantized, round to nearest
+    dict(tensor_parallel_size=4),  # 2 KV heads over 4 shards: each held twice
+], ids=["int8", "tp4-kv-heads-repeated"])
+def test_new_weights_are_laid_out_as_a_fresh_engine_lays_them_out(tiny_model, weights,
+                                                                   options):
   config, _, tok = tiny_model
-  int8 = lambda p: make_engine((config, p, tok), warmup=False, quantization="int8",
-                               **SMALL_POOL)
-  engine, fresh = int8(weights[0]), int8(weights[1])
+  build = lambda p: make_engine((config, p, tok), warmup=False, **options, **SMALL_POOL)
+  engine, fresh = build(weights[0]), build(weights[1])
   engine.update_weights(weights[1])
   got, want = engine.runner.stacked_params, fresh.runner.stacked_params
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    assert a.dtype == b.dtype and a.sharding == b.sharding
+    assert a.dtype == b.dtype and a.shape == b.shape and a.sharding == b.sharding
     np.testing.assert_array_equal(a, b)
-  assert any(a.dtype == np.int8 for a in jax.tree.leaves(got))
+  assert (any(a.dtype == np.int8 for a in jax.tree.leaves(got)) if "quantization" in options
+          else got["layers"]["attn"]["k_proj"]["kernel"].shape[2] == 4)
 
 
 # -- sleeping: device memory freed, states named ---------------------------------------------
