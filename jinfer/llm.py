@@ -64,6 +64,12 @@ class LLM:
     calibrating again (see `LLMEngine.save_quantized`)."""
     self.engine.save_quantized(path)
 
+  def update_lora(self, name_or_id: str | int, tensors: dict) -> None:
+    """Replace a registered adapter's weights in place, by name or id (see
+    `LLMEngine.update_lora`): PEFT tensor names or jinfer's trainer layout, checked whole
+    before anything is written; no compile; its prefix-cache entries are not reused."""
+    self.engine.update_lora(name_or_id, tensors)
+
   def generate(self, prompts: Prompt | Seq[Prompt],
                sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                use_tqdm: bool = True,
