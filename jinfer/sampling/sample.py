@@ -89,7 +89,8 @@ def filter_sorted(x: jax.Array, st: SamplingTensors) -> tuple[jax.Array, jax.Arr
   keep = rank < st.top_k[:, None]
   probs = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
   before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-  keep &= before < st.top_p[:, None]
+  # top_p = 1 keeps everything: the running sum can reach 1.0 in float32 before the tail does.
+  keep &= (before < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0)
   keep &= probs >= st.min_p[:, None] * probs[:, :1]
   keep = keep.at[:, 0].set(True)  # the most likely token always survives
   return order, jnp.where(keep, probs, 0.0)

@@ -88,13 +88,29 @@ class Rollouts:
   prefill_tokens: int  # prompt tokens the engine computed for them (the rest came from cache)
 
 
+def split_params(params: dict) -> tuple[dict, jax.Array, jax.Array]:
+  """(the params but the embedding, the embedding [V, E], the LM head [V, E]: the tied
+  embedding, or the model's own head) in float32, as the trainer's forward takes them."""
+  embedding = jnp.asarray(params["embedding"], jnp.float32)
+  head = (embedding if "lm_head" not in params
+          else jnp.asarray(params["lm_head"]["kernel"], jnp.float32).T)
+  return {k: v for k, v in params.items() if k != "embedding"}, embedding, head
+
+
+def sequence_logits(model: CausalLM, page_size: int, lora, scaling: float, base: dict,
+                    embedding: jax.Array, head: jax.Array, tokens: jax.Array) -> jax.Array:
+  """The logits at every position of tokens [B, L], teacher-forced through `model` with the
+  adapter merged into the kernels: [B, L, V]."""
+  hidden = _forward(model, page_size, merge(base, lora, scaling), embedding, tokens)  # [B, L, E]
+  return hidden @ head.T
+
+
 def token_logprobs(model: CausalLM, page_size: int, temperature: float, lora, scaling: float,
                    base: dict, embedding: jax.Array, head: jax.Array,
                    tokens: jax.Array) -> jax.Array:
-  """log p(tokens[:, p + 1] | tokens[:, :p + 1]) at `temperature`, teacher-forced through
-  `model` with the adapter merged: [B, L - 1] for tokens [B, L]."""
-  hidden = _forward(model, page_size, merge(base, lora, scaling), embedding, tokens)  # [B, L, E]
-  logits = hidden @ head.T  # [B, L, V]
+  """log p(tokens[:, p + 1] | tokens[:, :p + 1]) at `temperature`: [B, L - 1] for tokens
+  [B, L]."""
+  logits = sequence_logits(model, page_size, lora, scaling, base, embedding, head, tokens)
   logp = jax.nn.log_softmax(logits[:, :-1] / temperature, axis=-1)
   return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
@@ -119,10 +135,7 @@ class PolicyTrainer:
     self.cfg, self.config = cfg, config
     model = CausalLM(config, KernelOptions(attention="reference"), dtype=jnp.float32)
     self.scaling = cfg.alpha / cfg.rank
-    base = {k: v for k, v in params.items() if k != "embedding"}
-    embedding = jnp.asarray(params["embedding"], jnp.float32)
-    head = (embedding if "lm_head" not in params
-            else jnp.asarray(params["lm_head"]["kernel"], jnp.float32).T)
+    base, embedding, head = split_params(params)
     self.lora = init_lora(params, lora_sites(config, cfg.targets), cfg.rank, cfg.seed)
     self.optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(cfg.learning_rate))
     self.opt_state = self.optimizer.init(self.lora)
