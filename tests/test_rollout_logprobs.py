@@ -19,12 +19,8 @@ from jinfer.sampling.params import SamplingParams
 from jinfer.training.lora_train import init_lora, lora_sites
 from jinfer.training.online import sequence_logits, split_params
 from jinfer.weights.peft_adapter import save_peft_adapter
-from tests.engine_fixtures import make_engine
+from tests.engine_fixtures import ROLLOUT, make_engine
 
-# 16-token steps: the 40-token prompt is prefilled in three chunks beside the others' decodes.
-OPTIONS = dict(max_model_len=64, page_size=4, num_pages=80, max_num_seqs=8,
-               max_num_batched_tokens=16, max_prefill_seqs=4, enable_lora=True, max_loras=1,
-               max_lora_rank=4)
 RANK, ALPHA = 4, 8.0
 # float32: a sampled token's logprob within 1e-5; a top-N token's within 1e-5 of its magnitude
 # (a logprob of -20 carries the logits' own rounding, ~1e-6 relative, times 20).
@@ -50,15 +46,16 @@ def teacher(tiny_model, adapter):
   compile: every sequence padded to max_model_len, the base as the adapter with b = 0)."""
   config, params, _ = tiny_model
   model = CausalLM(config, KernelOptions(attention="reference"), dtype=jnp.float32)
-  base, embedding, head = split_params(params)
-  fwd = jax.jit(lambda lora, tokens: sequence_logits(model, 4, lora, ALPHA / RANK, base,
-                                                     embedding, head, tokens))
+  frozen = split_params(params)
+  fwd = jax.jit(lambda lora, frozen, tokens: sequence_logits(model, 4, lora, ALPHA / RANK,
+                                                             *frozen, tokens))
   zero = {p: (a, np.zeros_like(b)) for p, (a, b) in adapter[1].items()}
 
   def logits(tokens: list[int], lora: dict | None) -> np.ndarray:
-    padded = np.zeros((1, OPTIONS["max_model_len"]), np.int32)
+    padded = np.zeros((1, ROLLOUT["max_model_len"]), np.int32)
     padded[0, :len(tokens)] = tokens
-    return np.asarray(fwd(zero if lora is None else lora, padded)[0, :len(tokens)], np.float64)
+    out = fwd(zero if lora is None else lora, frozen, padded)
+    return np.asarray(out[0, :len(tokens)], np.float64)
   return logits
 
 
@@ -137,7 +134,7 @@ def _mixed_batch(engine, adapter):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-  return make_engine(tiny_model, warmup=False, logprobs_mode="processed_logprobs", **OPTIONS)
+  return make_engine(tiny_model, warmup=False, **ROLLOUT)
 
 
 def test_processed_logprobs_equal_a_teacher_forced_pass(engine, adapter, teacher):
@@ -147,7 +144,7 @@ def test_processed_logprobs_equal_a_teacher_forced_pass(engine, adapter, teacher
 
 @pytest.mark.slow  # a second engine (~10 s): the raw mode's arithmetic is the one the others test
 def test_raw_logprobs_equal_a_teacher_forced_pass(tiny_model, adapter, teacher):
-  engine = make_engine(tiny_model, warmup=False, **OPTIONS)
+  engine = make_engine(tiny_model, warmup=False, **dict(ROLLOUT, logprobs_mode="raw_logprobs"))
   for out, prompt, p, lora in _mixed_batch(engine, adapter):
     _check(out, prompt, p, lora, teacher, "raw_logprobs")
 

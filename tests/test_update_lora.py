@@ -17,13 +17,8 @@ from jinfer.errors import ParameterError
 from jinfer.sampling.params import SamplingParams
 from jinfer.training.lora_train import init_lora, lora_sites
 from jinfer.weights.peft_adapter import AdapterError, save_peft_adapter
-from tests.engine_fixtures import CompileCounter, make_engine
+from tests.engine_fixtures import ROLLOUT, CompileCounter, make_engine
 
-# One slot and one host copy for two adapters: the updated one is evicted from both and must
-# come back as updated, not as its files say.
-OPTIONS = dict(max_model_len=64, page_size=4, num_pages=65, max_num_seqs=8,
-               max_num_batched_tokens=16, max_prefill_seqs=4, enable_lora=True, max_loras=1,
-               max_lora_rank=8, max_cpu_loras=1)
 RANK, ALPHA = 4, 8.0
 TARGETS = ("q_proj", "v_proj", "o_proj", "up_proj")
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=6),
@@ -52,7 +47,7 @@ def versions(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-  return make_engine(tiny_model, warmup=False, **OPTIONS)
+  return make_engine(tiny_model, warmup=False, **ROLLOUT)
 
 
 def _prompts() -> list[list[int]]:
@@ -68,7 +63,7 @@ def _run(engine, lora: LoRARequest | None):
 
 
 def test_update_then_generate_equals_a_fresh_engine(tiny_model, engine, versions):
-  """v1 from files, then v2 pushed as PEFT tensors and again in the trainer's layout: the
+  """One slot and one host copy (ROLLOUT) for two adapters. v1 from files, then v2 pushed as PEFT tensors and again in the trainer's layout: the
   tokens are a fresh engine's with v2's files, nothing compiles, the prompts cached under v1
   are computed again, and an eviction by another adapter brings back v2."""
   (v1, _), (v2, f2), (other, _) = versions
@@ -83,7 +78,7 @@ def test_update_then_generate_equals_a_fresh_engine(tiny_model, engine, versions
   engine.update_lora(1, f2)  # by id, the trainer's layout: the same weights
   again, _ = _run(engine, lora)
   assert counter.count == 0
-  fresh = make_engine(tiny_model, warmup=False, **OPTIONS)
+  fresh = make_engine(tiny_model, warmup=False, **ROLLOUT)
   want, _ = _run(fresh, LoRARequest("policy", 1, v2))
   assert after == want and again == want
   assert after != before

@@ -115,10 +115,10 @@ def token_logprobs(model: CausalLM, page_size: int, temperature: float, lora, sc
   return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
-def _surrogate(logp_fn, clip_eps: float, lora, tokens, mask, old, adv):
+def _surrogate(logp_fn, clip_eps: float, lora, frozen, tokens, mask, old, adv):
   """GRPO's clipped surrogate (negated, to minimize) and the largest |logp - old| on a trained
   token. tokens [B, L]; mask, old [B, L - 1]; adv [B]."""
-  logp = logp_fn(lora, tokens)
+  logp = logp_fn(lora, frozen, tokens)
   ratio = jnp.exp(logp - old)
   a = adv[:, None]
   surr = jnp.minimum(ratio * a, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * a)
@@ -135,21 +135,23 @@ class PolicyTrainer:
     self.cfg, self.config = cfg, config
     model = CausalLM(config, KernelOptions(attention="reference"), dtype=jnp.float32)
     self.scaling = cfg.alpha / cfg.rank
-    base, embedding, head = split_params(params)
+    # Arguments of the jitted functions, not constants in them: XLA would fold the head's
+    # transpose (and more) at compile time.
+    self.frozen = split_params(params)  # (base, embedding, head)
     self.lora = init_lora(params, lora_sites(config, cfg.targets), cfg.rank, cfg.seed)
     self.optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(cfg.learning_rate))
     self.opt_state = self.optimizer.init(self.lora)
-    logp = lambda lora, tokens: token_logprobs(model, cfg.page_size, cfg.temperature, lora,
-                                               self.scaling, base, embedding, head, tokens)
+    logp = lambda lora, frozen, tokens: token_logprobs(model, cfg.page_size, cfg.temperature,
+                                                       lora, self.scaling, *frozen, tokens)
     loss = functools.partial(_surrogate, logp, cfg.clip_eps)
 
-    def step(lora, opt_state, tokens, mask, old, adv):
-      (value, gap), grads = jax.value_and_grad(loss, has_aux=True)(lora, tokens, mask, old, adv)
+    def step(lora, opt_state, frozen, tokens, mask, old, adv):
+      (value, gap), grads = jax.value_and_grad(loss, has_aux=True)(lora, frozen, tokens, mask,
+                                                                    old, adv)
       updates, opt_state = self.optimizer.update(grads, opt_state, lora)
       return optax.apply_updates(lora, updates), opt_state, value, gap
 
     self._step = jax.jit(step, donate_argnums=(0, 1))
-    self.logprobs = jax.jit(logp)
 
   def batch(self, r: Rollouts, length: int):
     """(tokens [B, length], mask [B, length - 1], old logprobs [B, length - 1]): position p
@@ -174,8 +176,8 @@ class PolicyTrainer:
     batch = self.batch(r, length)
     gaps = []
     for _ in range(self.cfg.inner_steps):
-      self.lora, self.opt_state, loss, gap = self._step(self.lora, self.opt_state, *batch,
-                                                        advantages.reshape(-1))
+      self.lora, self.opt_state, loss, gap = self._step(self.lora, self.opt_state, self.frozen,
+                                                        *batch, advantages.reshape(-1))
       gaps.append(float(gap))
     return float(loss), gaps[0]
 
