@@ -60,6 +60,9 @@ class OnlineConfig:
   targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
   learning_rate: float = 1e-3
   inner_steps: int = 1  # optimizer steps per round on the same rollouts
+  # Sequences per forward/backward pass; their gradients add up to the round's batch (the
+  # trainer's activations, and its [B, L, V] logits, grow with it).
+  micro_batch: int = 8
   clip_eps: float = 0.2
   page_size: int = 16  # the trainer's scratch cache
   seed: int = 0
@@ -124,7 +127,7 @@ def _surrogate(logp_fn, clip_eps: float, lora, frozen, tokens, mask, old, adv):
   surr = jnp.minimum(ratio * a, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * a)
   per_seq = jnp.sum(surr * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
   gap = jnp.max(jnp.where(mask > 0, jnp.abs(logp - old), 0.0))
-  return -jnp.mean(per_seq), gap
+  return -jnp.sum(per_seq), gap  # summed: micro-batches add up, the step divides by B
 
 
 class PolicyTrainer:
@@ -145,13 +148,13 @@ class PolicyTrainer:
                                                        lora, self.scaling, *frozen, tokens)
     loss = functools.partial(_surrogate, logp, cfg.clip_eps)
 
-    def step(lora, opt_state, frozen, tokens, mask, old, adv):
-      (value, gap), grads = jax.value_and_grad(loss, has_aux=True)(lora, frozen, tokens, mask,
-                                                                    old, adv)
+    def apply(lora, opt_state, grads, scale):
+      grads = jax.tree.map(lambda g: g * scale, grads)
       updates, opt_state = self.optimizer.update(grads, opt_state, lora)
-      return optax.apply_updates(lora, updates), opt_state, value, gap
+      return optax.apply_updates(lora, updates), opt_state
 
-    self._step = jax.jit(step, donate_argnums=(0, 1))
+    self._grads = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    self._apply = jax.jit(apply, donate_argnums=(0, 1))
 
   def batch(self, r: Rollouts, length: int):
     """(tokens [B, length], mask [B, length - 1], old logprobs [B, length - 1]): position p
@@ -171,15 +174,28 @@ class PolicyTrainer:
     return tokens, mask, old
 
   def step(self, r: Rollouts, advantages: np.ndarray, length: int) -> tuple[float, float]:
-    """cfg.inner_steps optimizer steps; (the last loss, the first step's largest logprob gap
-    between trainer and rollout)."""
-    batch = self.batch(r, length)
+    """cfg.inner_steps optimizer steps over the whole batch, micro-batch by micro-batch; (the
+    last step's loss, the first step's largest logprob gap between trainer and rollout). The
+    batch size must be a multiple of cfg.micro_batch (one compiled shape)."""
+    tokens, mask, old = self.batch(r, length)
+    adv = advantages.reshape(-1).astype(np.float32)
+    b, m = len(adv), min(self.cfg.micro_batch, len(adv))
+    if b % m:
+      raise ValueError(f"{b} sequences a round: not a multiple of micro_batch={m}")
     gaps = []
     for _ in range(self.cfg.inner_steps):
-      self.lora, self.opt_state, loss, gap = self._step(self.lora, self.opt_state, self.frozen,
-                                                        *batch, advantages.reshape(-1))
-      gaps.append(float(gap))
-    return float(loss), gaps[0]
+      total, grads, gap = 0.0, None, 0.0
+      for i in range(0, b, m):
+        part = slice(i, i + m)
+        (value, g), gr = self._grads(self.lora, self.frozen, tokens[part], mask[part],
+                                     old[part], adv[part])
+        total += float(value)
+        gap = max(gap, float(g))
+        grads = gr if grads is None else jax.tree.map(jnp.add, grads, gr)
+      self.lora, self.opt_state = self._apply(self.lora, self.opt_state, grads,
+                                              np.float32(1.0 / b))
+      gaps.append(gap)
+    return total / b, gaps[0]
 
   def host_lora(self) -> dict:
     return jax.device_get(self.lora)
