@@ -62,6 +62,7 @@ def _run(engine, lora: LoRARequest | None):
   return [final[i].outputs[0].token_ids for i in ids], [final[i].num_cached_tokens for i in ids]
 
 
+@pytest.mark.slow  # a second engine and five batches (~10 s; the others here run in ~2 s)
 def test_update_then_generate_equals_a_fresh_engine(tiny_model, engine, versions):
   """One slot and one host copy (ROLLOUT) for two adapters. v1 from files, then v2 pushed as PEFT tensors and again in the trainer's layout: the
   tokens are a fresh engine's with v2's files, nothing compiles, the prompts cached under v1
