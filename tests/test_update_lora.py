@@ -57,16 +57,18 @@ def _prompts() -> list[list[int]]:
 
 def _run(engine, lora: LoRARequest | None):
   """Each prompt under each of PARAMS: (token ids, prefix-cached prompt tokens) per request."""
-  ids = [engine.add_request(None, p, sp, lora_request=lora) for p in _prompts() for sp in PARAMS]
+  ids = [engine.add_request(None, p, sp, lora_request=lora)
+         for p in _prompts() for sp in PARAMS]
   final = engine.run_to_completion(ids)
   return [final[i].outputs[0].token_ids for i in ids], [final[i].num_cached_tokens for i in ids]
 
 
-@pytest.mark.slow  # a second engine and five batches (~10 s; the others here run in ~2 s)
+@pytest.mark.slow  # a second engine and five batches: 38 s on a loaded 2-core machine
 def test_update_then_generate_equals_a_fresh_engine(tiny_model, engine, versions):
-  """One slot and one host copy (ROLLOUT) for two adapters. v1 from files, then v2 pushed as PEFT tensors and again in the trainer's layout: the
-  tokens are a fresh engine's with v2's files, nothing compiles, the prompts cached under v1
-  are computed again, and an eviction by another adapter brings back v2."""
+  """One slot and one host copy (ROLLOUT) for two adapters. v1 from files, then v2 pushed as
+  PEFT tensors and again in the trainer's layout: the tokens are a fresh engine's with v2's
+  files, nothing compiles, the prompts cached under v1 are computed again, and an eviction by
+  another adapter brings back v2."""
   (v1, _), (v2, f2), (other, _) = versions
   lora = LoRARequest("policy", 1, v1)
   before, cold = _run(engine, lora)  # cold: what the requests take from each other's pages
