@@ -94,6 +94,12 @@ class LLM:
   def wake_up(self) -> None:
     self._engine("wake_up").wake_up()
 
+  def update_lora(self, name_or_id: str | int, tensors: dict) -> None:
+    """Replace a registered adapter's weights in place, by name or id (see
+    `LLMEngine.update_lora`): PEFT tensor names or jinfer's trainer layout, checked whole
+    before anything is written; no compile; its prefix-cache entries are not reused."""
+    self._engine("update_lora").update_lora(name_or_id, tensors)
+
   def generate(self, prompts: Prompt | Seq[Prompt],
                sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                use_tqdm: bool = True,

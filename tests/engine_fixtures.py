@@ -99,6 +99,14 @@ SMALL_POOL = dict(max_model_len=64, page_size=4, num_pages=33, max_num_seqs=6,
                   max_num_batched_tokens=8, max_prefill_seqs=2)
 
 
+# A LoRA engine reporting rollout logprobs (tests/test_rollout_logprobs.py, test_update_lora.py):
+# 16-token steps chunk a 40-token prompt; one slot and one host copy, so a second adapter
+# evicts the first from both.
+ROLLOUT = dict(max_model_len=64, page_size=4, num_pages=80, max_num_seqs=8,
+               max_num_batched_tokens=16, max_prefill_seqs=4, enable_lora=True, max_loras=1,
+               max_lora_rank=8, max_cpu_loras=1, logprobs_mode="processed_logprobs")
+
+
 # The real SmolLM2's engine options wherever the test does not need its own: an engine with these
 # options compiles its six steps once per session (and per cache), the others load them. 59 usable
 # pages (944 tokens) for 8 sequences of up to 512: a long batch is preempted.

@@ -117,3 +117,14 @@ def test_lora_serves_two_adapters_and_the_base_in_one_batch():
   # capitals (the adapter does it on 75% of held-out prompts: one of the two here)
   assert any(t.strip("'").upper() == t.strip("'") for t in text[4:]), out
   assert not any(t.startswith("'Hello there") for t in text[:2]), out
+
+
+@pytest.mark.slow  # ~25 s on 2 cores: the engine's steps and the trainer's step compile
+def test_online_learning_runs_rounds_on_a_tiny_model(tiny_model_dir):
+  """Three rounds of generate, reward, train, update_lora: the trainer's teacher-forced
+  logprobs equal the engine's rollout logprobs (float32) in every round."""
+  out = run_example("online_learning.py", "--model", tiny_model_dir, "--rounds", "3",
+                    "--prompts", "2", "--samples", "3", "--max-tokens", "6", "--target", "3")
+  gaps = [float(g) for g in re.findall(r"logprob gap (\S+),", out)]
+  assert len(gaps) == 3 and max(gaps) <= 1e-5, out
+  assert re.search(r"^mean reward: first 1 rounds [\d.]+, last 1 rounds [\d.]+$", out, re.M), out

@@ -84,6 +84,11 @@ class DataParallelEngine(FrontEnd):
     for e in self.engines:
       e.add_lora(lora_request)
 
+  def update_lora(self, name_or_id, tensors) -> None:
+    # The first rank's check refuses bad tensors before any rank is written: all hold one model.
+    for e in self.engines:
+      e.update_lora(name_or_id, tensors)
+
   def remove_lora(self, lora_int_id: int) -> bool:
     return any([e.remove_lora(lora_int_id) for e in self.engines])
 

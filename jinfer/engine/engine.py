@@ -201,7 +201,8 @@ class LLMEngine:
                               expert_parallel=par.enable_expert_parallel,
                               in_step=self.proposer and self.proposer.in_step,
                               in_step_weights=self.proposer and self.proposer.in_step_weights,
-                              lora_slots=lora_slots)
+                              lora_slots=lora_slots,
+                              logprobs_mode=config.model.logprobs_mode)
     if lora.enable_lora:  # compiles the slot writer now, not when the first adapter comes
       self.runner.write_adapter(0, self._lora_pad(None))
     self.groups: dict[str, _Group] = {}
@@ -381,6 +382,31 @@ class LLMEngine:
     self.adapters.unregister(lora_int_id)
     return True
 
+  def _lora_salt(self, cache_salt, lora: LoRARequest) -> tuple:
+    """The prefix-cache salt of a request with adapter `lora`: its K/V differs from the base
+    model's, another adapter's, and the same adapter's before an update."""
+    return (cache_salt, "lora", lora.lora_int_id, lora.lora_path,
+            self.adapters.versions.get(lora.lora_int_id, 0))
+
+  def update_lora(self, name_or_id: str | int, tensors: dict) -> None:
+    """Replace a registered adapter's weights in place, by `lora_name` or `lora_int_id`:
+    `tensors` in PEFT's names or jinfer's trainer layout (`peft_adapter.replace_tensors`),
+    the same rank and modules as the adapter's files. Every tensor is checked before anything
+    is written (an AdapterError names the first bad one; the old weights stay). No compile.
+    Its unfinished requests go on under the new weights as if they had started under them:
+    running ones are recomputed (their K/V so far came from the old weights), and none of them
+    reuses a prefix cached before. Call it between steps."""
+    if self.adapters is None:
+      raise ParameterError("lora", "this engine serves no LoRA adapters: start it with "
+                           "enable_lora=True")
+    request = self.adapters.update(name_or_id, tensors)
+    for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+      if seq.lora is not None and seq.lora.lora_int_id == request.lora_int_id:
+        seq.cache_salt = self._lora_salt(seq.cache_salt[0], seq.lora)
+        seq.page_hashes = []
+        if seq.status is Status.RUNNING:
+          self.scheduler.preempt(seq)
+
   def list_loras(self) -> list[LoRARequest]:
     return [] if self.adapters is None else list(self.adapters.known.values())
 
@@ -396,8 +422,7 @@ class LLMEngine:
     matcher = self.validate(ids, params)
     if lora_request is not None:
       self.add_lora(lora_request)
-      # The prefix cache is keyed by adapter: its K/V differs from the base model's.
-      cache_salt = (cache_salt, "lora", lora_request.lora_int_id, lora_request.lora_path)
+      cache_salt = self._lora_salt(cache_salt, lora_request)
     seed = params.seed if params.seed is not None else int(self._seed_rng.integers(1 << 31))
     metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
     seqs: list[Sequence] = []

@@ -28,6 +28,7 @@ from jinfer.errors import ParameterError
 from jinfer.models.kernel_options import QUANTIZATIONS, KernelOptions
 from jinfer.models.kv_groups import KVGroups
 from jinfer.parallel.mesh import ParallelConfig
+from jinfer.sampling.sample import LOGPROBS_MODES
 from pallas_kernels import KVCacheSpec
 
 # platform -> (attention, int8 matmul, grouped matmul, group-wise matmul, dense matmul): chosen
@@ -56,8 +57,16 @@ class ModelOptions:
   # Requests may ask for prompt_logprobs: compiles a second step variant per bucket that
   # projects every row to logits, used only by steps that carry such a request.
   enable_prompt_logprobs: bool = False
+  # What a sampled token's `logprobs` report (vLLM's names): "raw_logprobs" (the model's
+  # distribution), "processed_logprobs" (the distribution the token was drawn from: after
+  # penalties, banned tokens, structured-output masks, temperature, top-k/top-p/min-p),
+  # "raw_logits" or "processed_logits". Prompt logprobs are always raw.
+  logprobs_mode: str = "raw_logprobs"
 
   def __post_init__(self):
+    if self.logprobs_mode not in LOGPROBS_MODES:
+      raise ParameterError("logprobs_mode", f"logprobs_mode must be one of "
+                           f"{', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
     if self.max_model_len < 1:
       raise ParameterError("max_model_len", f"max_model_len must be >= 1, got "
                                             f"{self.max_model_len}")

@@ -7,6 +7,11 @@ scheduler admits it (loading the adapter there if it is not resident, into a fre
 least recently used idle one) and lets go when it finishes or is preempted; a sequence whose
 adapter finds every slot in use by running sequences waits, and the others go ahead. Writing a
 slot is a donated update of fixed shape: adapters come and go without a compile.
+
+`update` replaces a registered adapter's weights in place (a trainer's new LoRA): checked
+whole before anything changes, written to its slot if it holds one, and kept in host memory for
+good (its files no longer describe it); its version goes up, which the engine's prefix-cache
+salt carries, so K/V computed under the old weights is never reused under the new.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import numpy as np
 
 from jinfer.config import ModelConfig
 from jinfer.errors import ParameterError
-from jinfer.weights.peft_adapter import LoraAdapter, load_peft_adapter
+from jinfer.weights.peft_adapter import LoraAdapter, load_peft_adapter, replace_tensors
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,6 +77,8 @@ class AdapterSlots:
     self._idle: collections.OrderedDict[int, None] = collections.OrderedDict(
         (s, None) for s in range(config.max_loras))  # slots nobody uses, least recent first
     self.loads = 0  # slot writes so far
+    self.versions: dict[int, int] = {}  # by lora_int_id: updates so far (0: as its files say)
+    self._pinned: set[int] = set()  # updated adapters: no file holds their weights any more
     self._lock = threading.Lock()  # the server registers adapters while steps run
 
   def register(self, request: LoRARequest) -> LoraAdapter:
@@ -97,6 +104,8 @@ class AdapterSlots:
     with self._lock:
       self.known.pop(lora_int_id, None)
       self._host.pop(lora_int_id, None)
+      self._pinned.discard(lora_int_id)
+      self.versions.pop(lora_int_id, None)
       for slot, owner in enumerate(self.owner):
         if owner == lora_int_id and not self.refs[slot]:
           self.owner[slot] = None
@@ -106,7 +115,40 @@ class AdapterSlots:
     self._host[lora_int_id] = adapter
     self._host.move_to_end(lora_int_id)
     while len(self._host) > self.config.host_capacity:
-      self._host.popitem(last=False)  # reloaded from its path if asked for again
+      # The least recent adapter that its path can give back if asked for again.
+      victim = next((i for i in self._host if i not in self._pinned), None)
+      if victim is None:
+        break
+      del self._host[victim]
+
+  def find(self, name_or_id: str | int) -> LoRARequest:
+    """A registered adapter by `lora_name` or `lora_int_id`; ParameterError if none."""
+    request = (self.known.get(name_or_id) if isinstance(name_or_id, int) else
+               next((r for r in self.known.values() if r.lora_name == name_or_id), None))
+    if request is None:
+      raise ParameterError("lora", f"no adapter {name_or_id!r} is registered (known: "
+                           f"{sorted(r.lora_name for r in self.known.values())}); add_lora "
+                           f"first")
+    return request
+
+  def update(self, name_or_id: str | int, tensors: dict) -> LoRARequest:
+    """Replace a registered adapter's weights (`peft_adapter.replace_tensors`' forms): checked
+    in full first, so a bad tensor raises (AdapterError naming it) and leaves the old weights
+    in place; then its host copy, its device slot if it holds one, and its version."""
+    with self._lock:
+      request = self.find(name_or_id)
+      i = request.lora_int_id
+      current = self._host.get(i) or load_peft_adapter(request.lora_path, self.model_config,
+                                                       max_rank=self.config.max_lora_rank)
+      adapter = replace_tensors(current, self.model_config, tensors)
+      self._pinned.add(i)
+      self._keep(i, adapter)
+      slot = self.resident(i)
+      if slot is not None:
+        self._write(slot, adapter)
+        self.loads += 1
+      self.versions[i] = self.versions.get(i, 0) + 1
+      return request
 
   def resident(self, lora_int_id: int) -> int | None:
     return next((s for s, o in enumerate(self.owner) if o == lora_int_id), None)

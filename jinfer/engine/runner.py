@@ -74,11 +74,13 @@ def keep_path(kv_cache: jax.Array, md: AttentionMetadata, out: VerifyOutput) -> 
 
 
 
-def _step(model: CausalLM, in_step: InStep | None, params, kv_cache, inp: StepInput,
-          drafts: jax.Array | None, weights: dict | None, lora: dict | None) -> tuple:
+def _step(model: CausalLM, in_step: InStep | None, logprobs_mode: str, params, kv_cache,
+          inp: StepInput, drafts: jax.Array | None, weights: dict | None,
+          lora: dict | None) -> tuple:
   """`in_step` (static) and its `weights`: the target proposes its next step's drafts too, and
-  verifies them as a tree. `lora`: the adapter slots (jinfer/models/lora.py), which the step's
-  rows pick from by `inp.lora`."""
+  verifies them as a tree. `logprobs_mode` (static): what the sampled tokens' logprobs report
+  (`jinfer.sampling.sample.LOGPROBS_MODES`). `lora`: the adapter slots
+  (jinfer/models/lora.py), which the step's rows pick from by `inp.lora`."""
   token_ids = inp.token_ids
   if drafts is not None:  # a device proposer's tokens take their verify rows
     token_ids = token_ids.at[inp.verify.draft_rows].set(drafts, mode="drop")
@@ -93,34 +95,37 @@ def _step(model: CausalLM, in_step: InStep | None, params, kv_cache, inp: StepIn
       vt = vt.replace(draft_tokens=drafts)
     (logits, hidden, kv_cache), state = apply(inp.verify.logits_rows)  # [R, V]
     if in_step is not None:
-      out = accept(logits, inp.sampling, vt, in_step.tree, in_step.typical)
+      out = accept(logits, inp.sampling, vt, in_step.tree, in_step.typical, logprobs_mode)
       kv_cache = keep_path(kv_cache, inp.md, out)
       proposals = propose(hidden[out.stop_row])
     else:
-      out, proposals = accept(logits, inp.sampling, vt, Tree.chain(vt.draft_tokens.shape[1])), None
+      out = accept(logits, inp.sampling, vt, Tree.chain(vt.draft_tokens.shape[1]),
+                   logprobs_mode=logprobs_mode)
+      proposals = None
     return StepOutput(out.sample, out.num_accepted, proposals, None,
                       _expert_load(state)), kv_cache
   if not inp.prompt_logprobs:
     (logits, hidden, kv_cache), state = apply(inp.logits_indices)  # [S, V]
-    return StepOutput(sample(logits, inp.sampling), None, propose(hidden), None,
+    return StepOutput(sample(logits, inp.sampling, logprobs_mode), None, propose(hidden), None,
                       _expert_load(state)), kv_cache
   (rows, hidden, kv_cache), state = apply()  # [T, V]
   lp = jax.nn.log_softmax(rows, axis=-1)
   top_lp, top_ids = jax.lax.top_k(lp, MAX_LOGPROBS)
   target = jnp.take_along_axis(lp, inp.target_ids[:, None], axis=-1)[:, 0]
   return StepOutput(
-      sample(rows[inp.logits_indices], inp.sampling), None,
+      sample(rows[inp.logits_indices], inp.sampling, logprobs_mode), None,
       None if hidden is None else propose(hidden[inp.logits_indices]),
       PromptLogprobs(target=target, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp),
       _expert_load(state),
   ), kv_cache
 
 
-def jit_step(model: CausalLM, in_step: InStep | None = None, out_shardings=None) -> Callable:
+def jit_step(model: CausalLM, in_step: InStep | None = None, out_shardings=None,
+             logprobs_mode: str = "raw_logprobs") -> Callable:
   """`model`'s step, jitted: `(params, kv_cache, step_input, drafts, in_step_weights,
   lora_slots) -> (StepOutput, kv_cache)`. The cache is donated: XLA updates it in place instead
   of copying it every step."""
-  return jax.jit(functools.partial(_step, model, in_step), donate_argnums=(1,),
+  return jax.jit(functools.partial(_step, model, in_step, logprobs_mode), donate_argnums=(1,),
                  out_shardings=out_shardings)
 
 
@@ -156,9 +161,10 @@ class ModelRunner:
                unroll_scan: bool = False,
                in_step: InStep | None = None, in_step_weights: dict | None = None,
                mesh: Mesh | None = None,
-               expert_parallel: bool = False, lora_slots: dict | None = None):
+               expert_parallel: bool = False, lora_slots: dict | None = None,
+               logprobs_mode: str = "raw_logprobs"):
     """`lora_slots`: the adapter slots, empty (`jinfer.models.lora.empty_slots`), when the
-    engine serves adapters."""
+    engine serves adapters. `logprobs_mode`: what sampled tokens' logprobs report."""
     self.config, self.spec, self.buckets, self.mesh = config, spec, buckets, mesh
     out_shardings = None
     lora_sharding = None
@@ -196,7 +202,7 @@ class ModelRunner:
         donate_argnums=(0,), out_shardings=lora_sharding)
     self.unrolled_max_tokens = unrolled_max_tokens
     self.in_step_weights = in_step_weights
-    jit = lambda model: jit_step(model, in_step, out_shardings)
+    jit = lambda model: jit_step(model, in_step, out_shardings, logprobs_mode)
 
     def variant(scan: bool) -> Variant:
       model = CausalLM(config, kernels, dtype=dtype, scan_layers=scan, kv_groups=kv_groups,

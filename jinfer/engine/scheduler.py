@@ -134,7 +134,8 @@ class Scheduler:
         self.blocks.release(pages[keep:])
         del pages[keep:]
 
-  def _preempt(self, seq: Sequence):
+  def preempt(self, seq: Sequence):
+    """Send a running sequence back to wait, to be recomputed from its tokens so far."""
     self.running.remove(seq)
     self._release(seq)
     seq.num_computed_tokens, seq.status = 0, Status.WAITING
@@ -145,7 +146,7 @@ class Scheduler:
   def preempt_all(self):
     """Send every running sequence back to wait for recomputation, keeping their order."""
     for seq in reversed(self.running[:]):
-      self._preempt(seq)
+      self.preempt(seq)
 
   def _match_prefix(self, seq: Sequence):
     # Prompt logprobs need every prompt row computed, so such requests skip the cache.
@@ -203,7 +204,7 @@ class Scheduler:
             m = 0
       while not self._grow(seq, n + m):
         victim = self.running[-1]
-        self._preempt(victim)
+        self.preempt(victim)
         if victim is seq:
           break
       if seq.status is not Status.RUNNING:  # preempted itself: nothing newer left to evict

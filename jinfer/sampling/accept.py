@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jinfer.sampling.sample import (SampleOutput, SamplingTensors, any_penalty, ban, choose,
-                                    constrain, penalize, top_logprobs)
+                                    constrain, penalize, reported, top_logprobs)
 from jinfer.sampling.tree import Tree
 
 
@@ -86,11 +86,13 @@ def row_tensors(st: SamplingTensors, vt: VerifyTensors, with_history: bool,
   return rows.replace(history=hist)
 
 
-def _gather(logits: jax.Array, rst: SamplingTensors, rows: jax.Array,
-            tokens: jax.Array) -> SampleOutput:
-  """The output of each sequence's tokens [S, K+1], the j-th chosen at logits row rows[s, j]."""
-  lse, top_lp, top_ids = top_logprobs(logits, rst.num_logprobs)  # [R], [R, N], [R, N]
-  token_lp = logits[rows, tokens] - lse[rows]  # [S, K+1]
+def _gather(logits: jax.Array, x: jax.Array, rst: SamplingTensors, rows: jax.Array,
+            tokens: jax.Array, logprobs_mode: str) -> SampleOutput:
+  """The output of each sequence's tokens [S, K+1], the j-th chosen at logits row rows[s, j]
+  (x: the rows' processed logits)."""
+  values, offset = reported(logits, x, rst, logprobs_mode)  # [R, V], [R]
+  top_lp, top_ids = top_logprobs(values, offset, rst.num_logprobs)  # [R, N], [R, N]
+  token_lp = values[rows, tokens] - offset[rows]  # [S, K+1]
   return SampleOutput(tokens=tokens.astype(jnp.int32), logprobs=token_lp, top_ids=top_ids[rows],
                       top_logprobs=top_lp[rows])
 
@@ -105,7 +107,7 @@ class Typical:
 
 
 def accept(logits: jax.Array, st: SamplingTensors, vt: VerifyTensors, tree: Tree,
-           typical: Typical | None = None) -> VerifyOutput:
+           typical: Typical | None = None, logprobs_mode: str = "raw_logprobs") -> VerifyOutput:
   """logits [R, V] float32 straight from the model at the verify rows; st per sequence [S].
   Each sequence's rows are the first m + 1 nodes of `tree` (root first; a chain's are its
   drafts in order), `draft_tokens[s, n - 1]` the token of node n, `chain[s, n]` node n's
@@ -146,4 +148,4 @@ def accept(logits: jax.Array, st: SamplingTensors, vt: VerifyTensors, tree: Tree
   drafts = jnp.pad(drafts, ((0, 0), (0, 1)))  # [S, K+1]: the path's tokens by depth
   tokens = jnp.where(j < a[:, None], drafts, jnp.where(j == a[:, None], pick[stop][:, None], 0))
   rows = jnp.take_along_axis(rows_of, path_k, axis=1)  # [S, K+1]: the row choosing token j
-  return VerifyOutput(_gather(logits, rst, rows, tokens), a, stop, path)
+  return VerifyOutput(_gather(logits, x, rst, rows, tokens, logprobs_mode), a, stop, path)

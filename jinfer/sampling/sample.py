@@ -14,6 +14,13 @@ from flax import struct
 
 from jinfer.sampling.params import MAX_LOGPROBS
 
+# What `logprobs` reports (vLLM's `logprobs_mode`): the model's own distribution ("raw_"), or
+# the one the token was drawn from ("processed_": penalties, banned tokens and the
+# structured-output mask, then temperature and the top-k/top-p/min-p filter, -inf for the
+# tokens filtered out; a greedy row's is its processed logits at temperature 1), as log
+# probabilities or as logits.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
 
 @struct.dataclass
 class SamplingTensors:
@@ -82,7 +89,8 @@ def filter_sorted(x: jax.Array, st: SamplingTensors) -> tuple[jax.Array, jax.Arr
   keep = rank < st.top_k[:, None]
   probs = jax.nn.softmax(jnp.where(keep, srt, -jnp.inf), axis=-1)
   before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-  keep &= before < st.top_p[:, None]
+  # top_p = 1 keeps everything: the running sum can reach 1.0 in float32 before the tail does.
+  keep &= (before < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0)
   keep &= probs >= st.min_p[:, None] * probs[:, :1]
   keep = keep.at[:, 0].set(True)  # the most likely token always survives
   return order, jnp.where(keep, probs, 0.0)
@@ -143,18 +151,40 @@ def process(logits: jax.Array, st: SamplingTensors) -> jax.Array:  # [S, V]
   return constrain(ban(x, st.banned), st.allowed)
 
 
-def top_logprobs(logits: jax.Array, num_logprobs: jax.Array) -> tuple[jax.Array, ...]:
-  """(logsumexp [S], top-N logprobs [S, N], their ids [S, N]) of the model's own distribution,
-  before penalties and filtering. The full log-softmax is only built when some row asks for
-  top-N (`num_logprobs` [S])."""
-  s = logits.shape[0]
-  lse = jax.nn.logsumexp(logits, axis=-1)  # [S]
+def filtered(x: jax.Array, st: SamplingTensors) -> jax.Array:  # [S, V]
+  """The logits each row's token is drawn from, over processed logits x [S, V]: a sampled row's
+  x / temperature with -inf where top-k/top-p/min-p leave a token out (exactly the tokens
+  `draw` cannot pick), a greedy row's x. The sort only runs when some row samples."""
+  def scaled_and_kept(x, st):
+    order, weights = filter_sorted(x, st)
+    rows = jnp.arange(x.shape[0])[:, None]
+    kept = jnp.zeros(x.shape, jnp.bool_).at[rows, order].set(weights > 0)
+    y = jnp.where(kept, x / jnp.maximum(st.temperature, 1e-6)[:, None], -jnp.inf)
+    return jnp.where((st.temperature > 0)[:, None], y, x)
+  return jax.lax.cond(jnp.any(st.temperature > 0), scaled_and_kept, lambda l, _: l, x, st)
+
+
+def reported(logits: jax.Array, x: jax.Array, st: SamplingTensors,
+             mode: str) -> tuple[jax.Array, jax.Array]:
+  """(values [S, V], offset [S]): `logprobs` reports values - offset for a row's tokens, as
+  `mode` (LOGPROBS_MODES) says, from the model's logits and the processed ones x."""
+  values = filtered(x, st) if mode.startswith("processed_") else logits
+  offset = (jax.nn.logsumexp(values, axis=-1) if mode.endswith("_logprobs")
+            else jnp.zeros(values.shape[:1], values.dtype))
+  return values, offset
+
+
+def top_logprobs(values: jax.Array, offset: jax.Array,
+                 num_logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(the top-N values - offset [S, N], their ids [S, N]) of `reported`'s output, only computed
+  when some row asks for top-N (`num_logprobs` [S])."""
+  s = values.shape[0]
   top_lp, top_ids = jax.lax.cond(
       jnp.any(num_logprobs > 0),
-      lambda l: tuple(jax.lax.top_k(l - lse[:, None], MAX_LOGPROBS)),
+      lambda l: tuple(jax.lax.top_k(l - offset[:, None], MAX_LOGPROBS)),
       lambda l: (jnp.zeros((s, MAX_LOGPROBS), l.dtype), jnp.zeros((s, MAX_LOGPROBS), jnp.int32)),
-      logits)
-  return lse, top_lp, top_ids.astype(jnp.int32)
+      values)
+  return top_lp, top_ids.astype(jnp.int32)
 
 
 def choose(x: jax.Array, st: SamplingTensors) -> jax.Array:  # [S] int32
@@ -165,9 +195,13 @@ def choose(x: jax.Array, st: SamplingTensors) -> jax.Array:  # [S] int32
   return jnp.where(st.temperature > 0, sampled, greedy)
 
 
-def sample(logits: jax.Array, st: SamplingTensors) -> SampleOutput:
-  """logits: [S, V] float32 straight from the model."""
-  tokens = choose(process(logits, st), st)
-  lse, top_lp, top_ids = top_logprobs(logits, st.num_logprobs)
-  token_lp = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
+def sample(logits: jax.Array, st: SamplingTensors,
+           logprobs_mode: str = "raw_logprobs") -> SampleOutput:
+  """logits: [S, V] float32 straight from the model; `logprobs_mode` (static) what the
+  logprobs report. The tokens do not depend on it."""
+  x = process(logits, st)
+  tokens = choose(x, st)
+  values, offset = reported(logits, x, st, logprobs_mode)
+  top_lp, top_ids = top_logprobs(values, offset, st.num_logprobs)
+  token_lp = jnp.take_along_axis(values, tokens[:, None], axis=-1)[:, 0] - offset
   return SampleOutput(tokens=tokens, logprobs=token_lp, top_ids=top_ids, top_logprobs=top_lp)

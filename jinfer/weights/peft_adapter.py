@@ -36,10 +36,11 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 class AdapterError(ParameterError):
-  """An adapter that cannot be served: the message names the offending field, tensor or file."""
+  """An adapter that cannot be served: the message names the offending field, tensor or file;
+  `param` the argument that brought it."""
 
-  def __init__(self, message: str):
-    super().__init__("lora_request", message)
+  def __init__(self, message: str, param: str = "lora_request"):
+    super().__init__(param, message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,8 @@ class LoraAdapter:
   # "q_proj"), -> (a [L, K, r], b [L, r, N]) float32, the scaling folded into b; K, N the
   # kernel's flattened input and output dims; L the stack's layers (zeros where not adapted).
   weights: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]]
+  scaling: float = 1.0  # lora_alpha / r (or / sqrt(r)), already in b: new tensors get it too
+  modules: tuple[str, ...] = ()  # the HF module names adapted, as adapter_config.json picks them
 
   def num_bytes(self) -> int:
     return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
@@ -238,14 +241,25 @@ def adapter_rank(path: str) -> int:
 
 def load_peft_adapter(path: str, config: ModelConfig, *, max_rank: int | None = None
                       ) -> LoraAdapter:
-  """Read and check a PEFT LoRA adapter directory (or a shipped adapter's built-in name, e.g.
+  """Read and check a PEFT LoRA adapter directory (or shipped adapter's built-in name, e.g.
   "smollm2-135m-signoff") for the model `config` describes; the factors in jinfer's layout,
   float32, the scaling folded into b. Raises AdapterError."""
   path = resolve_adapter(path)
   cfg = _read_config(path)
   rank, scaling = _check_config(cfg, path, max_rank)
   picked = _targets(cfg, config, path)
-  tensors = _read_tensors(path)
+  where = f"LoRA adapter {path!r}: {WEIGHTS_FILE}"
+  weights = _factors(_read_tensors(path), picked, rank, scaling, where, "lora_request")
+  short = tuple(sorted({site.path[-1] for site in picked.values()}))
+  return LoraAdapter(path=path, rank=rank, target_modules=short, weights=weights,
+                     scaling=scaling, modules=tuple(picked))
+
+
+def _factors(tensors: dict[str, np.ndarray], picked: dict[str, _Site], rank: int,
+             scaling: float, where: str, param: str
+             ) -> dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]]:
+  """The factors of PEFT-named `tensors` for the modules `picked`, every tensor checked (present,
+  its shape, finite, none left over); AdapterError(param) naming the first that is not."""
   weights: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]] = {}
   used = set()
   for name, site in picked.items():
@@ -257,24 +271,79 @@ def load_peft_adapter(path: str, config: ModelConfig, *, max_rank: int | None = 
       keys = [f"base_model.model.{name}.{part}{infix}.weight" for infix in ("", ".default")]
       key = next((k for k in keys if k in tensors), None)
       if key is None:
-        raise AdapterError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} is missing tensor "
-                           f"{keys[0]!r} (adapter_config.json's target_modules selects {name})")
+        raise AdapterError(f"{where} is missing tensor {keys[0]!r} (adapter_config.json's "
+                           f"target_modules selects {name})", param)
       w = tensors[key]
       if tuple(w.shape) != shape:
-        raise AdapterError(f"LoRA adapter {path!r}: tensor {key!r} has shape {tuple(w.shape)}, "
-                           f"expected {shape} (r={rank} and the model's {name})")
+        raise AdapterError(f"{where}: tensor {key!r} has shape {tuple(w.shape)}, expected "
+                           f"{shape} (r={rank} and the model's {name})", param)
       w = w.astype(np.float32)
       if not np.isfinite(w).all():
-        raise AdapterError(f"LoRA adapter {path!r}: tensor {key!r} has non-finite values")
+        raise AdapterError(f"{where}: tensor {key!r} has non-finite values", param)
       dest[site.slot] = w.T * (scaling if part == "lora_B" else 1.0)
       used.add(key)
   extra = sorted(set(tensors) - used)
   if extra:
-    raise AdapterError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} has tensor {extra[0]!r}"
+    raise AdapterError(f"{where} has tensor {extra[0]!r}"
                        f"{f' and {len(extra) - 1} more' if len(extra) > 1 else ''} that "
-                       f"adapter_config.json's target_modules does not select for this model")
-  short = tuple(sorted({site.path[-1] for site in picked.values()}))
-  return LoraAdapter(path=path, rank=rank, target_modules=short, weights=weights)
+                       f"adapter_config.json's target_modules does not select for this model",
+                       param)
+  return weights
+
+
+def replace_tensors(adapter: LoraAdapter, config: ModelConfig, tensors: dict) -> LoraAdapter:
+  """`adapter` with new factors, checked exactly as its files were (same rank, same modules,
+  every tensor present with its shape, finite, none extra); AdapterError("tensors") naming the
+  first that is not. `tensors`: PEFT's names (`base_model.model.<module>.lora_A.weight` [r, in],
+  `lora_B.weight` [out, r]), or jinfer's trainer layout, `{params path: (a [L, K, r],
+  b [L, r, N])}` with b unscaled, covering every layer of each adapted stack (what
+  `save_peft_adapter` takes). The adapter's scaling applies to either."""
+  where = f"update_lora({adapter.path!r})"
+  if not isinstance(tensors, dict) or not tensors:
+    raise AdapterError(f"{where}: tensors must be a non-empty dict, got "
+                       f"{type(tensors).__name__}", "tensors")
+  if all(isinstance(k, tuple) for k in tensors):
+    tensors = peft_tensors(config, tensors, adapter.rank, where)
+  elif not all(isinstance(k, str) for k in tensors):
+    raise AdapterError(f"{where}: tensors are keyed by PEFT tensor names (str) or by params "
+                       f"paths (tuples), not a mix", "tensors")
+  host = {}
+  for name, value in tensors.items():
+    w = np.asarray(value)
+    if w.dtype not in (np.float32, np.float16, ml_dtypes.bfloat16, np.float64):
+      raise AdapterError(f"{where}: tensor {name!r} has dtype {w.dtype}; expected a float type",
+                         "tensors")
+    host[name] = w
+  modules, _ = _modules(config)
+  picked = {name: modules[name] for name in adapter.modules}
+  weights = _factors(host, picked, adapter.rank, adapter.scaling, where, "tensors")
+  return dataclasses.replace(adapter, weights=weights)
+
+
+def peft_tensors(config: ModelConfig, weights, rank: int, where: str = "save_peft_adapter"
+                 ) -> dict[str, np.ndarray]:
+  """Factors keyed like `LoraAdapter.weights` (a [L, K, r], b [L, r, N]) as PEFT's tensors,
+  every layer of each stack; an AdapterError("tensors") naming a path or shape that does not
+  fit the model."""
+  modules, _ = _modules(config)
+  names = {(site.path, site.slot): name for name, site in modules.items() if site is not None}
+  tensors = {}
+  for site_path, pair in weights.items():
+    site_path = tuple(site_path)
+    layers = sum(1 for p, _ in names if p == site_path)
+    if not layers:
+      raise AdapterError(f"{where}: {site_path} is not an adaptable module of this model",
+                         "tensors")
+    a, b = (np.asarray(x) for x in pair)
+    if (a.ndim != 3 or b.ndim != 3 or a.shape[0] != layers or a.shape[2] != rank
+        or b.shape[:2] != (layers, rank)):
+      raise AdapterError(f"{where}: {site_path} has a {a.shape} and b {b.shape}; expected "
+                         f"[{layers}, K, {rank}] and [{layers}, {rank}, N]", "tensors")
+    for slot in range(layers):
+      name = names[(site_path, slot)]
+      tensors[f"base_model.model.{name}.lora_A.weight"] = a[slot].T
+      tensors[f"base_model.model.{name}.lora_B.weight"] = b[slot].T
+  return tensors
 
 
 def save_peft_adapter(path: str, config: ModelConfig, weights, *, rank: int, alpha: float,
@@ -290,19 +359,7 @@ def save_peft_adapter(path: str, config: ModelConfig, weights, *, rank: int, alp
   from safetensors.numpy import save_file
   modules, _ = _modules(config)
   names = {(site.path, site.slot): name for name, site in modules.items() if site is not None}
-  tensors = {}
-  for site_path, (a, b) in weights.items():
-    site_path = tuple(site_path)
-    layers = sum(1 for p, _ in names if p == site_path)
-    if not layers:
-      raise ValueError(f"save_peft_adapter: {site_path} is not an adaptable module of this model")
-    if a.shape[0] != layers or a.shape[2] != rank or b.shape[:2] != (layers, rank):
-      raise ValueError(f"save_peft_adapter: {site_path} has a {a.shape} and b {b.shape}; expected "
-                       f"[{layers}, K, {rank}] and [{layers}, {rank}, N]")
-    for slot in range(layers):
-      name = names[(site_path, slot)]
-      tensors[f"base_model.model.{name}.lora_A.weight"] = np.asarray(a[slot], np.float32).T
-      tensors[f"base_model.model.{name}.lora_B.weight"] = np.asarray(b[slot], np.float32).T
+  tensors = {k: np.asarray(v, np.float32) for k, v in peft_tensors(config, weights, rank).items()}
   if np.dtype(dtype) not in (np.float32, np.float16):
     raise ValueError(f"save_peft_adapter: dtype must be float32 or float16, got {dtype}")
   os.makedirs(path, exist_ok=True)
