@@ -14,6 +14,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file, save_file
 
+from jinfer.quant.microfloat import E2M1_DOUBLED
 from jinfer.weights import gguf_quantized
 from jinfer.weights.gguf_file import _unpermute_rope, gguf_to_hf_name, load_gguf, open_gguf
 from jinfer.weights.gguf_quantized import (IQ4_TABLE, REENCODED_TYPES, gguf_to_groupwise,
@@ -220,6 +221,34 @@ def test_gguf_stacked_experts_fuse_along_n(tmp_path, up_type):
         w.floats[gate_up], np.concatenate([ref["ffn_gate_exps"], ref["ffn_up_exps"]], axis=1))
   np.testing.assert_array_equal(w.linears["model.layers.0.mlp.experts.down_proj"].dequantize(),
                                 ref["ffn_down_exps"].swapaxes(1, 2))
+
+
+@pytest.mark.slow
+def test_gguf_codebook_file_runs_kept_as_dequantized(tmp_path):
+  """A file whose layers are IQ4_NL / IQ4_XS / MXFP4 / NVFP4 (tiny_gguf.CODEBOOK_TYPES), loaded
+  with its blocks kept: stacks of codebook layers stay codebook weights (per-layer tables, the
+  smaller group size), stacks with affine layers widen to 8-bit codes, and the model's logits
+  are those of the file dequantized by gguf-py."""
+  from jinfer.loader import load_model
+  from jinfer.quant.groupwise import GroupwiseArray
+  from tests.test_gguf import _logits
+  from tests.tiny_gguf import CODEBOOK_TYPES
+  path = str(tmp_path / "codebook.gguf")
+  write_tiny_gguf(path, "llama", layer_types=CODEBOOK_TYPES)
+  config, kept, _ = load_model(path, load_tokenizer=False, keep_gguf_quantized=True)
+  _, floats = load_gguf(path)
+  layers = kept["layers"]
+  form = lambda w: (w.bits, w.group_size, w.table is not None)
+  assert form(layers["attn"]["q_proj"]["kernel"]) == (4, 32, True)
+  assert form(layers["attn"]["o_proj"]["kernel"]) == (4, 16, True)  # NVFP4 + IQ4_NL
+  assert form(layers["mlp"]["gate_proj"]["kernel"]) == (4, 32, True)  # IQ4_XS + MXFP4
+  assert form(layers["mlp"]["down_proj"]["kernel"]) == (8, 32, False)  # Q4_K + IQ4_NL
+  assert isinstance(layers["attn"]["k_proj"]["kernel"], GroupwiseArray)
+  gate_tables = np.asarray(layers["mlp"]["gate_proj"]["kernel"].table)
+  np.testing.assert_array_equal(gate_tables, np.stack([IQ4_TABLE, E2M1_DOUBLED]))
+  ids = list(range(3, 40))
+  np.testing.assert_allclose(_logits(config, kept, ids), _logits(config, floats, ids),
+                             rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
