@@ -160,10 +160,13 @@ def test_groupwise_codebook_matmul_builds(target):
   spec = on(devices(target)[0])
   k, n = 4096, 14336
   for m, g in ((8, 32), (512, 16)):
-    build(lambda x, q, s, t: groupwise_matmul(x, q, s, None, bits=4, group_size=g, table=t,
-                                              backend=BACKEND[PLATFORM[target]]),
-          spec((m, k), jnp.bfloat16), spec((k // 2, n), jnp.uint8),
-          spec((k // g, n), jnp.float32), spec((16,), jnp.float32))
+    compiled = build(lambda x, q, s, t: groupwise_matmul(x, q, s, None, bits=4, group_size=g,
+                                                         table=t,
+                                                         backend=BACKEND[PLATFORM[target]]),
+                     spec((m, k), jnp.bfloat16), spec((k // 2, n), jnp.uint8),
+                     spec((k // g, n), jnp.float32), spec((16,), jnp.float32))
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= 16 << 20, f"{m} rows, g{g}: {temp / 2**20:.1f} MiB of temporaries"
 
 
 @pytest.mark.parametrize("target", TPUS)
