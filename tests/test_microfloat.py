@@ -3,6 +3,8 @@ perplexity bound on a tiny model, the model over codebook weights against the fl
 them dequantized, the saved round trip, batch invariance in the engine, and bad options."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -104,6 +106,22 @@ def test_the_model_runs_its_own_weights_exactly(mha, tmp_path, fmt="nvfp4"):
   assert jax.tree.structure(back, is_leaf=is_q) == jax.tree.structure(q, is_leaf=is_q)
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(q)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_moe_experts_run_their_codebook_weights_exactly():
+  """MoE experts in mxfp4 go through the grouped matmul widened to int8 codes (it has no
+  codebook form): the logits are the float model's over the weights dequantized."""
+  config = dataclasses.replace(MHA, architecture="qwen3_moe", num_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=32, moe_layers=())
+  params = _params(config)
+  q = quantize_weights(config, params, "mxfp4", check_config("mxfp4", None),
+                       int8_transposed=False)
+  experts = q["layers"]["moe"]["gate_up"]["kernel"]
+  assert experts.table is not None and experts.table.shape == (2, 4, 16)
+  fp4 = {**q, "embedding": params["embedding"]}
+  np.testing.assert_allclose(_logits(config, fp4), _logits(config, _float_like(fp4, params)),
+                             rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
