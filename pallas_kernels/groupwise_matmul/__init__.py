@@ -46,8 +46,9 @@ def _check(x, q, scale, offset, bits: int, group_size: int, table) -> None:
     raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
   if table is not None:
     if bits != 4 or offset is not None:
-      raise ValueError(f"the codebook form (a table) takes 4-bit codes and no offset, got "
-                       f"bits={bits} and an offset {'' if offset is None else 'given'}".rstrip())
+      given = "" if offset is None else " and an offset"
+      raise ValueError(f"the codebook form (a table) takes 4-bit codes and no offset; got "
+                       f"bits={bits}{given}")
     if table.shape != (CODES,) or not jnp.issubdtype(table.dtype, jnp.floating):
       raise ValueError(f"table must be a float [{CODES}] array, got {table.dtype} {table.shape}")
   elif offset is None:

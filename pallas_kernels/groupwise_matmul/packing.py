@@ -22,8 +22,9 @@ with one scale per group and output channel and no offset,
     w[k, n] = table[q[k, n]] * scale[k // g, n]
 
 packed the same way. It carries the formats whose values are not evenly spaced: GGUF's IQ4_NL
-and IQ4_XS (a fixed non-uniform table), MXFP4 and NVFP4 (e2m1 micro-floats). Kernels look the
-code up by its four bits, a tree of 15 selects (`lookup`), which every backend lowers (no gather).
+and IQ4_XS (a fixed non-uniform table), MXFP4 and NVFP4 (e2m1 micro-floats). The kernels look
+a code up by its four bits, a tree of 15 selects (`lookup`), which Mosaic and Triton lower
+where a gather would not; the oracle (`dequantize_codebook`) gathers.
 """
 from __future__ import annotations
 

@@ -139,8 +139,7 @@ def groupwise_matmul_tpu(
   q_rows = bk // 2 if bits == 4 else bk
   codebook = table is not None
   operands = [pad_to(x, (mp, kp)),
-              *tile_operands(q, scale, None if codebook else offset, bits=bits, group_size=g,
-                             bk=bk, kp=kp, np_=np_)]
+              *tile_operands(q, scale, offset, bits=bits, group_size=g, bk=bk, kp=kp, np_=np_)]
   group_spec = pl.BlockSpec((None, gpb, bn), lambda i, j, kk: (kk, 0, j))
   if codebook:
     operands.append(table.astype(jnp.float32))
