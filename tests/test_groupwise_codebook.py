@@ -45,13 +45,12 @@ def test_oracle_is_the_table_lookup():
 
 
 # (backend, M, K, N, g, table, dtype): ragged M and N, K in one and in several tiles, both
-# tables; the bf16 Pallas cases in the slow tier
+# tables; the bf16 GPU case in the slow tier (the TPU kernel's bf16 tiles are int4's)
 CASES = [
     ("xla", 1, 96, 40, 32, E2M1, "float32"),
     ("xla", 7, 256, 130, 16, IQ4, "float32"),
     ("xla", 3, 128, 64, 32, E2M1, "bfloat16"),
     ("pallas_tpu", 3, 256, 200, 32, IQ4, "float32"),
-    pytest.param("pallas_tpu", 9, 640, 128, 16, E2M1, "bfloat16", marks=pytest.mark.slow),
     ("pallas_gpu", 5, 256, 72, 32, E2M1, "float32"),
     pytest.param("pallas_gpu", 17, 128, 40, 16, IQ4, "bfloat16", marks=pytest.mark.slow),
 ]
@@ -60,9 +59,7 @@ CASES = [
 @pytest.mark.parametrize("backend,m,k,n,g,table,dtype", CASES)
 def test_backends_match_oracle(backend, m, k, n, g, table, dtype):
   args, w64 = _operands(m, k, n, g, table, jnp.dtype(dtype))
-  kw = {} if backend == "xla" else dict(interpret=True, block_k=256 if k > 256 else 128)
-  if backend == "pallas_tpu" and k > 256:
-    kw["block_n"] = 128
+  kw = {} if backend == "xla" else dict(interpret=True, block_k=128)
   got = np.asarray(_run(backend, args, g, **kw), np.float64)
   want = np.asarray(_run("reference", args, g), np.float64)
   assert got.shape == (m, n)
@@ -76,10 +73,10 @@ def test_backends_match_oracle(backend, m, k, n, g, table, dtype):
 def test_tpu_kernel_has_no_races():
   """Several K steps and N blocks under the race detector (it also fails on reads out of
   bounds or before a DMA's wait, which interpret=True clamps)."""
-  args, _ = _operands(8, 512, 256, 32, E2M1, seed=2)
+  args, _ = _operands(8, 256, 256, 32, E2M1, seed=2)
   try:
     got = _run("pallas_tpu", args, 32, interpret=pltpu.InterpretParams(detect_races=True),
-               block_k=256, block_n=128)
+               block_k=128, block_n=128)
   finally:
     pltpu.reset_tpu_interpret_mode_state()
   np.testing.assert_allclose(np.asarray(got), np.asarray(_run("reference", args, 32)),
