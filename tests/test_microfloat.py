@@ -138,5 +138,7 @@ def test_bad_options():
     check_config("nvfp4", {"method": "gptq"})
   with pytest.raises(ParameterError, match="'group_size' is not an option"):
     check_config("mxfp4", {"group_size": 64})
-  with pytest.raises(ValueError, match="blocks of 32 do not divide K=48"):
-    microfloat.quantize(jnp.ones((48, 8)), "mxfp4")
+  odd = dataclasses.replace(MHA, hidden_size=40, head_dim=10, vocab_size=32)
+  with pytest.raises(ValueError, match="layers/attn/k_proj: nvfp4 blocks of 16 do not divide "
+                                       "its K=40"):
+    quantize_model(_params(odd), linear_kernels(odd), fmt="nvfp4", verbose=False)

@@ -176,6 +176,9 @@ def quantize_model(params: dict, kernels: dict, *, method: str = "rtn", model=No
   for path, decl in _stacked_kernels(params, kernels):
     t = time.perf_counter()
     w = folding.flat_kernel(folding.get(params, path + ("kernel",)), decl)  # [lead..., K, N]
+    if fmt is not None and w.shape[-2] % group_size:
+      raise ValueError(f"{'/'.join(path)}: {fmt} blocks of {group_size} do not divide its "
+                       f"K={w.shape[-2]}")
     g = group_size if fmt is not None else group_size_for(w.shape[-2], group_size)
     if method == "gptq" and path in stats:
       st = stats[path]
