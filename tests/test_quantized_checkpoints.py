@@ -223,6 +223,24 @@ def test_gguf_stacked_experts_fuse_along_n(tmp_path, up_type):
                                 ref["ffn_down_exps"].swapaxes(1, 2))
 
 
+def test_gguf_row_the_block_does_not_divide_is_a_precise_error(tmp_path):
+  """An IQ4_XS tensor whose rows (128 values) are half its 256-value block: a WeightError
+  naming the file, the tensor and the block, before any weight is read."""
+  import struct
+  path, name = str(tmp_path / "odd.gguf"), b"blk.0.ffn_up_exps.weight"
+  write_tiny_gguf(path, "llama", extra=lambda w: w.add_tensor(
+      name.decode(), np.zeros((2, 136), np.uint8), raw_dtype=Q.IQ4_XS))
+  raw = bytearray(open(path, "rb").read())  # the writer refuses such a shape: patch its dims
+  at = raw.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+  assert struct.unpack_from("<I2Q", raw, at) == (2, 256, 2)
+  struct.pack_into("<2Q", raw, at + 4, 128, 4)
+  open(path, "wb").write(raw)
+  with pytest.raises(WeightError, match=r"odd.gguf: .*tensor 'blk.0.ffn_up_exps.weight': "
+                                        r".*row size \(128\) is not a multiple of IQ4_XS block "
+                                        r"size \(256\)"):
+    read_gguf_groupwise(path)
+
+
 @pytest.mark.slow
 def test_gguf_codebook_file_runs_kept_as_dequantized(tmp_path):
   """A file whose layers are IQ4_NL / IQ4_XS / MXFP4 / NVFP4 (tiny_gguf.CODEBOOK_TYPES), loaded
