@@ -20,7 +20,7 @@ MIXED_TYPES = [
 ]
 # The codebook types (IQ4_NL, IQ4_XS, MXFP4, NVFP4), and stacks where they meet each other (other
 # tables, other group sizes) and affine types.
-CODEBOOK_TYPES = [
+CODEBOOK_LAYER_TYPES = [
     {"attn_q": Q.IQ4_NL, "attn_k": Q.IQ4_XS, "attn_v": Q.MXFP4, "attn_output": Q.NVFP4,
      "ffn_gate": Q.IQ4_XS, "ffn_up": Q.MXFP4, "ffn_down": Q.Q4_K},
     {"attn_q": Q.IQ4_NL, "attn_k": Q.Q8_0, "attn_v": Q.MXFP4, "attn_output": Q.IQ4_NL,
@@ -60,7 +60,7 @@ def write_tiny_gguf(path: str, arch: str = "llama", *, tied: bool = False, all_f
 
   all_f32 stores every tensor unquantized, so a loader must reproduce the returned tensors
   exactly. `drop` omits GGUF tensors; `replace` stores the given arrays instead; `layer_types`:
-  each layer's storage types (MIXED_TYPES, or CODEBOOK_TYPES).
+  each layer's storage types (MIXED_TYPES, or CODEBOOK_LAYER_TYPES).
   """
   heads, kv_heads, head_dim = SHAPES[arch]
   rng = np.random.default_rng(seed)
