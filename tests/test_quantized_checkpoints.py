@@ -244,9 +244,9 @@ def test_gguf_row_the_block_does_not_divide_is_a_precise_error(tmp_path):
 @pytest.mark.slow
 def test_gguf_codebook_file_runs_kept_as_dequantized(tmp_path):
   """A file whose layers are IQ4_NL / IQ4_XS / MXFP4 / NVFP4 (tiny_gguf.CODEBOOK_LAYER_TYPES),
-  loaded with its blocks kept: stacks of codebook layers stay codebook weights (per-layer tables, the
-  smaller group size), stacks with affine layers widen to 8-bit codes, and the model's logits
-  are those of the file dequantized by gguf-py."""
+  loaded with its blocks kept: stacks of codebook layers stay codebook weights (per-layer
+  tables, the smaller group size), stacks with affine layers widen to 8-bit codes, and the
+  model's logits are those of the file dequantized by gguf-py."""
   from jinfer.loader import load_model
   from jinfer.quant.groupwise import GroupwiseArray
   from tests.test_gguf import _logits
