@@ -152,6 +152,23 @@ def test_groupwise_matmul_builds(target, bits):
           spec((k // g, n), jnp.float32))
 
 
+@pytest.mark.parametrize("target", [*TPUS, *GPUS])
+def test_groupwise_codebook_matmul_builds(target):
+  """The codebook form (MXFP4/NVFP4/IQ4: a [16] table, no offsets), groups of 32 (MXFP4's and
+  IQ4's blocks) and 16 (NVFP4's), decode and prefill rows of one 8B projection: its table
+  lookups lower (SMEM scalars on TPU, scalar loads in Triton) and its tiles fit."""
+  spec = on(devices(target)[0])
+  k, n = 4096, 14336
+  for m, g in ((8, 32), (512, 16)):
+    compiled = build(lambda x, q, s, t: groupwise_matmul(x, q, s, None, bits=4, group_size=g,
+                                                         table=t,
+                                                         backend=BACKEND[PLATFORM[target]]),
+                     spec((m, k), jnp.bfloat16), spec((k // 2, n), jnp.uint8),
+                     spec((k // g, n), jnp.float32), spec((16,), jnp.float32))
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= 16 << 20, f"{m} rows, g{g}: {temp / 2**20:.1f} MiB of temporaries"
+
+
 @pytest.mark.parametrize("target", TPUS)
 @pytest.mark.parametrize("quantized", [False, True])
 def test_grouped_matmul_builds(target, quantized):

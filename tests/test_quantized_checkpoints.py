@@ -14,9 +14,10 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file, save_file
 
+from jinfer.quant.microfloat import E2M1_DOUBLED
 from jinfer.weights import gguf_quantized
 from jinfer.weights.gguf_file import _unpermute_rope, gguf_to_hf_name, load_gguf, open_gguf
-from jinfer.weights.gguf_quantized import (REENCODED_TYPES, gguf_to_groupwise,
+from jinfer.weights.gguf_quantized import (IQ4_TABLE, REENCODED_TYPES, gguf_to_groupwise,
                                            read_gguf_groupwise, why_not_groupwise)
 from jinfer.weights.gguf_reader import GGUFTensor
 from jinfer.weights.groupwise_tensor import GroupwiseTensor
@@ -29,7 +30,11 @@ from tests.tiny_gguf import write_tiny_gguf
 
 # Byte offsets of each block's float16 scale fields (llama.cpp's block structs).
 _F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
-               Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+               Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+               Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+               # no float16 fields: every byte of an e8m0 / ue4m3 scale decodes to a number
+               Q.MXFP4: (), Q.NVFP4: ()}
+CODEBOOK_TYPES = (Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.NVFP4)
 # Signed codes stored unsigned: where the code is the zero point, q * d + (-c * d) is +0.0 and
 # gguf-py's d * 0 is -0.0 for a negative d (see gguf_quantized's docstring).
 _SIGNED_ZERO_TYPES = (Q.Q4_0, Q.Q3_K)
@@ -44,6 +49,10 @@ def _random_blocks(rng, qtype: Q, lead: tuple[int, ...], k: int) -> np.ndarray:
     d = (rng.standard_normal((*lead, k // block, 1)) * 0.02).astype(np.float16)
     d[..., ::7, :] = 0
     raw[..., at:at + 2] = d.view(np.uint8)
+  if qtype == Q.MXFP4:
+    # e8m0 exponents below 2 decode to float32 subnormals, which XLA's CPU and accelerator
+    # kernels flush to zero (no weight is that small); from 241 up 12 * scale overflows.
+    raw[..., 0] = rng.integers(2, 241, raw.shape[:-1])
   return raw.reshape(*lead, -1)
 
 
@@ -72,11 +81,19 @@ def test_gguf_blocks_reencode_exactly(qtype):
   assert (w.bits, w.group_size) == {
       Q.Q8_0: (8, 32), Q.Q4_0: (4, 32), Q.Q4_1: (4, 32), Q.Q5_0: (8, 32), Q.Q5_1: (8, 32),
       Q.Q2_K: (4, 16), Q.Q3_K: (4, 16), Q.Q4_K: (4, 32), Q.Q5_K: (8, 32),
-      Q.Q6_K: (8, 16)}[qtype]
-  _assert_exact(qtype, w.dequantize(), gguf.quants.dequantize(data, qtype).T)
+      Q.Q6_K: (8, 16), Q.IQ4_NL: (4, 32), Q.IQ4_XS: (4, 32), Q.MXFP4: (4, 32),
+      Q.NVFP4: (4, 16)}[qtype]
+  assert (w.table is not None) == (qtype in CODEBOOK_TYPES) and w.q.nbytes == 512 * 24 // (
+      1 if w.bits == 8 else 2)
+  ref = gguf.quants.dequantize(data, qtype).T
+  _assert_exact(qtype, w.dequantize(), ref)
+  if w.table is not None:  # widened to 8-bit affine codes (a stack with affine layers): exact
+    _assert_exact(qtype, GroupwiseTensor.stack([w, w._as(8, w.group_size)]).dequantize()[1],
+                  ref)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.MXFP4],
+                         ids=lambda q: q.name)
 def test_gguf_quantized_floats_reencode_exactly(qtype):
   """Blocks as gguf-py's quantizer writes them, stacked experts [X, N, K] -> [X, K, N]."""
   floats = np.random.default_rng(1).standard_normal((3, 40, 256)).astype(np.float32)
@@ -88,13 +105,32 @@ def test_gguf_quantized_floats_reencode_exactly(qtype):
 
 def test_gguf_types_that_do_not_reencode_say_why():
   assert why_not_groupwise(Q.F16) == "it is stored as floats"
-  assert "non-uniform table" in why_not_groupwise(Q.IQ4_NL)
+  assert "ternary" in why_not_groupwise(Q.TQ2_0)
   assert "codebook" in why_not_groupwise(Q.IQ2_XXS)
-  data = np.zeros((4, GGML_QUANT_SIZES[Q.IQ4_NL][1] * 2), np.uint8)
+  data = np.zeros((4, GGML_QUANT_SIZES[Q.IQ3_S][1]), np.uint8)
   with pytest.raises(WeightError, match=r"file.gguf: tensor 'blk.3.attn_q.weight' has type "
-                                        r"IQ4_NL, which cannot be re-encoded group-wise: its "
-                                        r"4-bit codes index a non-uniform table"):
-    gguf_to_groupwise(_tensor(Q.IQ4_NL, data, "blk.3.attn_q.weight"), "file.gguf")
+                                        r"IQ3_S, which cannot be re-encoded group-wise: it "
+                                        r"decodes through a lattice codebook"):
+    gguf_to_groupwise(_tensor(Q.IQ3_S, data, "blk.3.attn_q.weight"), "file.gguf")
+
+
+def test_iq4_xs_scales_follow_ggml_layout():
+  """One IQ4_XS super-block written by hand from ggml's block_iq4_xs (d, scales_h with 2 bits
+  per sub-block, scales_l with 4, then 8 x 16 bytes of nibbles, value j low and j + 16 high),
+  read back against a literal reading, and gguf-py's dequantization agrees."""
+  rng = np.random.default_rng(5)
+  ls = rng.integers(0, 64, 8)  # six-bit scales, stored + 32
+  codes = rng.integers(0, 16, (8, 32))
+  d = np.float16(0.01)
+  scales_h = sum(int(v >> 4) << 2 * i for i, v in enumerate(ls))
+  scales_l = [(ls[2 * j] & 15) | (ls[2 * j + 1] & 15) << 4 for j in range(4)]
+  qs = (codes[:, :16] | codes[:, 16:] << 4).astype(np.uint8).reshape(-1)
+  block = np.concatenate([np.frombuffer(d.tobytes() + np.uint16(scales_h).tobytes(), np.uint8),
+                          np.array(scales_l, np.uint8), qs])[None]  # one row of 256 values
+  want = (np.float32(d) * (ls - 32).astype(np.float32))[:, None] * IQ4_TABLE[codes]
+  got = gguf_to_groupwise(_tensor(Q.IQ4_XS, block), "test").dequantize()[:, 0]
+  np.testing.assert_array_equal(got, want.reshape(-1))
+  np.testing.assert_array_equal(gguf.quants.dequantize(block, Q.IQ4_XS)[0], got)
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +221,52 @@ def test_gguf_stacked_experts_fuse_along_n(tmp_path, up_type):
         w.floats[gate_up], np.concatenate([ref["ffn_gate_exps"], ref["ffn_up_exps"]], axis=1))
   np.testing.assert_array_equal(w.linears["model.layers.0.mlp.experts.down_proj"].dequantize(),
                                 ref["ffn_down_exps"].swapaxes(1, 2))
+
+
+def test_gguf_row_the_block_does_not_divide_is_a_precise_error(tmp_path):
+  """An IQ4_XS tensor whose rows (128 values) are half its 256-value block: a WeightError
+  naming the file, the tensor and the block, before any weight is read."""
+  import struct
+  path, name = str(tmp_path / "odd.gguf"), b"blk.0.ffn_up_exps.weight"
+  write_tiny_gguf(path, "llama", extra=lambda w: w.add_tensor(
+      name.decode(), np.zeros((2, 136), np.uint8), raw_dtype=Q.IQ4_XS))
+  raw = bytearray(open(path, "rb").read())  # the writer refuses such a shape: patch its dims
+  at = raw.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+  assert struct.unpack_from("<I2Q", raw, at) == (2, 256, 2)
+  struct.pack_into("<2Q", raw, at + 4, 128, 4)
+  open(path, "wb").write(raw)
+  with pytest.raises(WeightError, match=r"odd.gguf: .*tensor 'blk.0.ffn_up_exps.weight': "
+                                        r".*row size \(128\) is not a multiple of IQ4_XS block "
+                                        r"size \(256\)"):
+    read_gguf_groupwise(path)
+
+
+@pytest.mark.slow
+def test_gguf_codebook_file_runs_kept_as_dequantized(tmp_path):
+  """A file whose layers are IQ4_NL / IQ4_XS / MXFP4 / NVFP4 (tiny_gguf.CODEBOOK_LAYER_TYPES),
+  loaded with its blocks kept: stacks of codebook layers stay codebook weights (per-layer
+  tables, the smaller group size), stacks with affine layers widen to 8-bit codes, and the
+  model's logits are those of the file dequantized by gguf-py."""
+  from jinfer.loader import load_model
+  from jinfer.quant.groupwise import GroupwiseArray
+  from tests.test_gguf import _logits
+  from tests.tiny_gguf import CODEBOOK_LAYER_TYPES
+  path = str(tmp_path / "codebook.gguf")
+  write_tiny_gguf(path, "llama", layer_types=CODEBOOK_LAYER_TYPES)
+  config, kept, _ = load_model(path, load_tokenizer=False, keep_gguf_quantized=True)
+  _, floats = load_gguf(path)
+  layers = kept["layers"]
+  form = lambda w: (w.bits, w.group_size, w.table is not None)
+  assert form(layers["attn"]["q_proj"]["kernel"]) == (4, 32, True)
+  assert form(layers["attn"]["o_proj"]["kernel"]) == (4, 16, True)  # NVFP4 + IQ4_NL
+  assert form(layers["mlp"]["gate_proj"]["kernel"]) == (4, 32, True)  # IQ4_XS + MXFP4
+  assert form(layers["mlp"]["down_proj"]["kernel"]) == (8, 32, False)  # Q4_K + IQ4_NL
+  assert isinstance(layers["attn"]["k_proj"]["kernel"], GroupwiseArray)
+  gate_tables = np.asarray(layers["mlp"]["gate_proj"]["kernel"].table)
+  np.testing.assert_array_equal(gate_tables, np.stack([IQ4_TABLE, E2M1_DOUBLED]))
+  ids = list(range(3, 40))
+  np.testing.assert_allclose(_logits(config, kept, ids), _logits(config, floats, ids),
+                             rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

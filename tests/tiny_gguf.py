@@ -18,10 +18,21 @@ MIXED_TYPES = [
     {"attn_q": Q.F16, "attn_k": Q.BF16, "attn_v": Q.F32, "attn_output": Q.Q5_K,
      "ffn_gate": Q.Q6_K, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_K},
 ]
+# The codebook types (IQ4_NL, IQ4_XS, MXFP4, NVFP4), and stacks where they meet each other (other
+# tables, other group sizes) and affine types.
+CODEBOOK_LAYER_TYPES = [
+    {"attn_q": Q.IQ4_NL, "attn_k": Q.IQ4_XS, "attn_v": Q.MXFP4, "attn_output": Q.NVFP4,
+     "ffn_gate": Q.IQ4_XS, "ffn_up": Q.MXFP4, "ffn_down": Q.Q4_K},
+    {"attn_q": Q.IQ4_NL, "attn_k": Q.Q8_0, "attn_v": Q.MXFP4, "attn_output": Q.IQ4_NL,
+     "ffn_gate": Q.MXFP4, "ffn_up": Q.NVFP4, "ffn_down": Q.IQ4_NL},
+]
 GLOBAL_TYPES = {"token_embd": Q.Q8_0, "output": Q.Q6_K}
-# gguf.quants cannot quantize K-quants, so those tensors are random blocks with sane scales:
-# byte offsets of each block's float16 scale fields.
-_KQUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+# gguf.quants cannot quantize K-quants, IQ4 or NVFP4, so those tensors are random blocks with
+# sane scales: byte offsets of each block's float16 scale fields.
+_KQUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+                  Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.NVFP4: ()}
+# NVFP4's four ue4m3 block scales: exponent 1..3, i.e. 2^-6..2^-4 (x 12 at most, doubled values)
+_NVFP4_SCALES = (0x08, 0x20)
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -33,17 +44,23 @@ def _random_kquant(rng: np.random.Generator, rows: int, cols: int, qtype: Q) -> 
   block, size = gguf.GGML_QUANT_SIZES[qtype]
   raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
   for off in _KQUANT_SCALES[qtype]:
-    raw[..., off:off + 2] = np.full(raw.shape[:2] + (1,), 1e-4, np.float16).view(np.uint8)
+    d = 1e-3 if qtype == Q.IQ4_NL else 1e-4  # IQ4_NL: d times values up to 127
+    raw[..., off:off + 2] = np.full(raw.shape[:2] + (1,), d, np.float16).view(np.uint8)
+  if qtype == Q.NVFP4:
+    raw[..., :4] = rng.integers(*_NVFP4_SCALES, raw.shape[:2] + (4,))
   return raw.reshape(rows, -1)
 
 
 def write_tiny_gguf(path: str, arch: str = "llama", *, tied: bool = False, all_f32: bool = False,
                     drop: tuple[str, ...] = (), replace: dict[str, np.ndarray] | None = None,
-                    extra: Callable[[gguf.GGUFWriter], None] | None = None, seed: int = 0) -> dict:
-  """Write the file; return the float32 HF-layout tensors it was made from (K-quants excluded).
+                    extra: Callable[[gguf.GGUFWriter], None] | None = None, seed: int = 0,
+                    layer_types: list[dict] = MIXED_TYPES) -> dict:
+  """Write the file; return the float32 HF-layout tensors it was made from (random blocks
+  excluded).
 
   all_f32 stores every tensor unquantized, so a loader must reproduce the returned tensors
-  exactly. `drop` omits GGUF tensors; `replace` stores the given arrays instead.
+  exactly. `drop` omits GGUF tensors; `replace` stores the given arrays instead; `layer_types`:
+  each layer's storage types (MIXED_TYPES, or CODEBOOK_LAYER_TYPES).
   """
   heads, kv_heads, head_dim = SHAPES[arch]
   rng = np.random.default_rng(seed)
@@ -93,7 +110,7 @@ def write_tiny_gguf(path: str, arch: str = "llama", *, tied: bool = False, all_f
       w.add_tensor(name, gguf.quants.quantize(stored, qtype), raw_dtype=qtype)
 
   add("token_embd.weight", (VOCAB, HIDDEN), GLOBAL_TYPES["token_embd"])
-  for i, types in enumerate(MIXED_TYPES[:LAYERS]):
+  for i, types in enumerate(layer_types[:LAYERS]):
     b = f"blk.{i}"
     add(f"{b}.attn_norm.weight", (HIDDEN,), Q.F32)
     add(f"{b}.attn_q.weight", (heads * head_dim, HIDDEN), types["attn_q"], heads)

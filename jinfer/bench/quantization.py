@@ -37,6 +37,8 @@ MODES = {  # name -> engine options
     "int4-rtn-g128": dict(quantization="int4", quantization_config={"method": "rtn"}),
     "int4-awq-g128": dict(quantization="int4", quantization_config={"method": "awq"}),
     "int4-gptq-g128": dict(quantization="int4", quantization_config={"method": "gptq"}),
+    **{f"{fmt}-{method}": dict(quantization=fmt, quantization_config={"method": method})
+       for fmt in ("mxfp4", "nvfp4") for method in ("rtn", "awq")},
     "gguf": dict(quantization="gguf"),
     "kv-int8": dict(kv_cache_dtype="int8"),
     "kv-fp8": dict(kv_cache_dtype="fp8"),

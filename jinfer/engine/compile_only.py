@@ -126,7 +126,7 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
 def _shape_only_quantization(quantization: str | None, options: dict) -> dict:
   """The quantizer options with the same output shapes and no calibration (AWQ and GPTQ store
   what RTN stores; SmoothQuant folds into the norms): shapes are all a plan needs."""
-  if quantization == "int4":
+  if quantization in ("int4", "mxfp4", "nvfp4"):
     return dict(options, method="rtn")
   if quantization == "w8a8":
     return dict(options, smoothquant=False)

@@ -12,6 +12,11 @@ weights, calibrated on what.
            "group_size": 128, "sym": false}`: the decoder layers' projections take 4 bits, a
            tied embedding (the LM head too) int8 per channel, as llama.cpp's 4-bit files keep
            their embedding at 6-8 bits
+  "mxfp4"  4-bit micro-floats (W4A16): e2m1 values, a power-of-two scale per block of 32
+  "nvfp4"  4-bit micro-floats: e2m1 values, an e4m3 scale per block of 16 and one float32 scale
+           per tensor. Both `quantization_config={"method": "rtn" | "awq"}`, the projections
+           as "int4" picks them (`jinfer/quant/microfloat.py`), kept in the group-wise
+           codebook form; the embedding int8
   "gguf"   a GGUF file's blocks as stored: the loader keeps them, nothing to do here. The
            default for a GGUF file on a GPU (`default_quantization`)
 
@@ -33,6 +38,7 @@ from jinfer.loader import load_model
 from jinfer.models import CausalLM, linear_kernels
 from jinfer.quant.calibration import calibration_tokens
 from jinfer.quant.groupwise import GroupwiseArray
+from jinfer.quant.microfloat import FORMATS
 from jinfer.quant.model import METHODS, quantize_model, smooth_model
 from jinfer.quant.qarray import QArray, quantize
 from jinfer.weights.builtin import RANDOM_MODELS, is_builtin
@@ -41,7 +47,9 @@ from jinfer.weights.quantized_checkpoint import is_quantized_checkpoint, read_me
 
 # quantization -> the quantization_config keys it reads, with their defaults
 CONFIG_KEYS = {"int8": {}, "w8a8": {"smoothquant": True, "alpha": 0.7, "gptq": True},
-               "int4": {"method": "rtn", "group_size": 128, "sym": False}, "gguf": {}}
+               "int4": {"method": "rtn", "group_size": 128, "sym": False}, "gguf": {},
+               **{fmt: {"method": "rtn"} for fmt in FORMATS}}
+FP4_METHODS = ("rtn", "awq")
 
 
 def check_config(quantization: str | None, config: dict | None) -> dict:
@@ -65,6 +73,9 @@ def check_config(quantization: str | None, config: dict | None) -> dict:
     if isinstance(g, bool) or not isinstance(g, int) or g < 2 or g & (g - 1):
       raise ParameterError("quantization_config", f"quantization_config: group_size must be a "
                            f"power of two >= 2, got {g!r}")
+  if quantization in FORMATS and out["method"] not in FP4_METHODS:
+    raise ParameterError("quantization_config", f"quantization_config: method must be one of "
+                         f"{', '.join(FP4_METHODS)} for {quantization}, got {out['method']!r}")
   return out
 
 
@@ -129,7 +140,7 @@ def calibrated(quantization: str | None, options: dict) -> bool:
   """Whether `quantization` (`options`: `check_config`'s) calibrates on text: SmoothQuant,
   AWQ and GPTQ do; round-to-nearest does not."""
   return ((quantization == "w8a8" and options["smoothquant"])
-          or (quantization == "int4" and options["method"] != "rtn"))
+          or ((quantization == "int4" or quantization in FORMATS) and options["method"] != "rtn"))
 
 
 def quantize_weights(config: ModelConfig, params: dict, quantization: str | None,
@@ -153,6 +164,9 @@ def quantize_weights(config: ModelConfig, params: dict, quantization: str | None
     if quantization == "int4":
       params = quantize_model(params, declared, method=options["method"],
                               group_size=options["group_size"], sym=options["sym"],
+                              **(calibrate() if calibrates else {}))
+    if quantization in FORMATS:
+      params = quantize_model(params, declared, method=options["method"], fmt=quantization,
                               **(calibrate() if calibrates else {}))
     # What is still float among the linear kernels goes int8 (for int4: the embedding / head).
     return jax.tree.map(lambda w, k: w if k is None or done(w) else quantize(w, *k), params,

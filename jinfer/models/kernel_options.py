@@ -8,8 +8,9 @@ from jax.sharding import Mesh
 
 # None: float weights. "int8": int8 weights with per-output-channel scales, float activations
 # (W8A16). "w8a8": activations quantized per token too, int32 accumulation. "int4": 4-bit
-# group-wise weights (W4A16; see jinfer/quant/). "gguf": a GGUF file's blocks kept quantized.
-QUANTIZATIONS = (None, "int8", "w8a8", "int4", "gguf")
+# group-wise weights (W4A16; see jinfer/quant/). "mxfp4" / "nvfp4": 4-bit micro-float weights,
+# the group-wise codebook form. "gguf": a GGUF file's blocks kept quantized.
+QUANTIZATIONS = (None, "int8", "w8a8", "int4", "mxfp4", "nvfp4", "gguf")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

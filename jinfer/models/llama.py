@@ -67,7 +67,7 @@ NO_WINDOW = 1 << 30  # a per-layer window that never excludes a key
 # state per token cost W8A8 another point of perplexity on the pydoc text (+5.4% vs +4.4%).
 HEAD_MODE = "w8a16"
 # Quantizations whose float-shaped kernels become `QArray`s: int4 keeps the LM head int8.
-INT8_KERNELS = ("int8", "w8a8", "int4")
+INT8_KERNELS = ("int8", "w8a8", "int4", "mxfp4", "nvfp4")
 
 
 class Linear(nn.Module):
@@ -75,7 +75,8 @@ class Linear(nn.Module):
 
   Quantized, the kernel is a `QArray` (int8 values, a float scale per output channel) and the
   product goes through the int8 matmul kernel, or a `GroupwiseArray` (int4 or int8 values with a
-  scale and offset per group of inputs, flattened to [K, N]) through the group-wise one.
+  scale and offset per group of inputs, or 4-bit codes into a table with a scale per group,
+  flattened to [K, N]) through the group-wise one.
   """
   shape: tuple[int, ...]
   axes: tuple[str, ...]
@@ -439,11 +440,18 @@ def _sharded_groupwise(x: jax.Array, w: GroupwiseArray, axes: tuple[str, ...], n
   ins = (k_axis,) + (None,) * (n_in - 1)
   outs = (n_axis,) + (None,) * (len(out_shape) - 1)
   spec = P(k_axis, n_axis)
-  mm = lambda x, q, scale, offset: groupwise_matmul(
-      x, q, scale, offset, bits=w.bits, group_size=w.group_size, backend=kernels.groupwise,
-      interpret=kernels.interpret)
-  return tensor_parallel_matmul(mm, x, w.q, (w.scale, w.offset), in_spec=ins, out_spec=outs,
-                                weight_spec=spec, scale_specs=(spec, spec), out_shape=out_shape,
+  if w.table is None:
+    mm = lambda x, q, scale, offset: groupwise_matmul(
+        x, q, scale, offset, bits=w.bits, group_size=w.group_size, backend=kernels.groupwise,
+        interpret=kernels.interpret)
+    scales, specs = (w.scale, w.offset), (spec, spec)
+  else:  # the codebook form: its table whole on every shard
+    mm = lambda x, q, scale, table: groupwise_matmul(
+        x, q, scale, None, bits=w.bits, group_size=w.group_size, table=table,
+        backend=kernels.groupwise, interpret=kernels.interpret)
+    scales, specs = (w.scale, w.table), (spec, P(None))
+  return tensor_parallel_matmul(mm, x, w.q, scales, in_spec=ins, out_spec=outs,
+                                weight_spec=spec, scale_specs=specs, out_shape=out_shape,
                                 mesh=kernels.mesh)
 
 
@@ -452,7 +460,7 @@ def _groupwise(x: jax.Array, w: GroupwiseArray, kernels: KernelOptions) -> jax.A
   if w.perm is not None:  # rows stored in act-order groups: x's columns follow them
     x = x[:, w.perm]
   return groupwise_matmul(x, w.q, w.scale, w.offset, bits=w.bits, group_size=w.group_size,
-                          backend=kernels.groupwise, interpret=kernels.interpret)
+                          table=w.table, backend=kernels.groupwise, interpret=kernels.interpret)
 
 
 def _tied_head(x: jax.Array, embed, kernels: KernelOptions) -> jax.Array:

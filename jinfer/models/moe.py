@@ -59,6 +59,8 @@ class Experts(nn.Module):
     def matmul(x, w, group_sizes):  # w: [G, K, *out] for G of the experts
       g = group_sizes.shape[0]
       if isinstance(w, GroupwiseArray):  # [G, K(/2), N] with its group-wise scale and offset
+        # The grouped kernels have no codebook form: its codes widen to int8 exactly, here.
+        w = w.affine()
         return grouped_matmul(x, w.q, group_sizes, w.scale, w.offset, bits=w.bits,
                               quant_group_size=w.group_size, backend=kn.grouped_matmul,
                               interpret=kn.interpret)

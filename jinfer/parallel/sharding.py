@@ -86,7 +86,8 @@ def duplicate_kv_heads(config: ModelConfig, params: dict, tp: int) -> tuple[Mode
         a = a.reshape(*a.shape[:-1], hkv, a.shape[-1] // hkv)
         a = jnp.repeat(a, r, axis=-2)
         return a.reshape(*a.shape[:-2], -1)
-      return dataclasses.replace(w, q=cols(w.q), scale=cols(w.scale), offset=cols(w.offset))
+      return dataclasses.replace(w, q=cols(w.q), scale=cols(w.scale),
+                                 offset=None if w.offset is None else cols(w.offset))
     if isinstance(w, QArray):  # values [lead, E, Hkv, D] or, transposed, [lead, Hkv, D, E]
       return dataclasses.replace(
           w, values=jnp.repeat(w.values, r, axis=-3 if w.transposed else -2),
@@ -159,8 +160,9 @@ def shard_params(params: dict, axes: dict, mesh: Mesh, expert_parallel: bool = F
       put_as = lambda a, *spec: place(a, NamedSharding(mesh, P(*lead_spec, *spec)))
       return dataclasses.replace(
           w, q=put_as(w.q, k_spec, n_spec), scale=put_as(w.scale, k_spec, n_spec),
-          offset=put_as(w.offset, k_spec, n_spec),
-          perm=None if w.perm is None else put_as(w.perm, k_spec))
+          offset=None if w.offset is None else put_as(w.offset, k_spec, n_spec),
+          perm=None if w.perm is None else put_as(w.perm, k_spec),
+          table=None if w.table is None else put_as(w.table, None))
     return place(w, sharding)
 
   out = jax.tree_util.tree_map_with_path(

@@ -16,6 +16,9 @@ Weight clipping (AutoAWQ's `auto_clip`), done too: after scaling, each (group, o
 clips its weights to +-r max|w| for the r in {1, 0.95, ..., 0.55} that best keeps that group's
 partial output X_g w_g. Not for the query and key projections, whose errors the softmax
 amplifies (AutoAWQ skips them too).
+
+`fmt` ("mxfp4", "nvfp4"): the same searches against that micro-float format's rounding
+(`microfloat.fake_quantize`, its own block size) instead of the int4 grid.
 """
 from __future__ import annotations
 
@@ -24,7 +27,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jinfer.quant import microfloat
 from jinfer.quant.rtn import fake_quantize
+
+
+def _fake(w, group_size, sym, fmt):
+  return fake_quantize(w, group_size, sym) if fmt is None else microfloat.fake_quantize(w, fmt)
 
 
 def _scales(x_mean: jax.Array, alpha: jax.Array) -> jax.Array:
@@ -32,13 +40,13 @@ def _scales(x_mean: jax.Array, alpha: jax.Array) -> jax.Array:
   return s / jnp.sqrt(s.max() * s.min())
 
 
-def _search_one(x, x_mean, w, *, group_size, sym, n_grid):
+def _search_one(x, x_mean, w, *, group_size, sym, n_grid, fmt):
   """x [n, K] calibration rows, x_mean [K] mean|x|, w [K, N] -> (s [K], loss per alpha)."""
   ref = x @ w  # [n, N]
 
   def loss(alpha):
     s = _scales(x_mean, alpha)
-    wq = fake_quantize(w * s[:, None], group_size, sym) / s[:, None]
+    wq = _fake(w * s[:, None], group_size, sym, fmt) / s[:, None]
     return jnp.mean((x @ wq - ref) ** 2)
 
   alphas = jnp.arange(n_grid, dtype=jnp.float32) / n_grid
@@ -46,22 +54,23 @@ def _search_one(x, x_mean, w, *, group_size, sym, n_grid):
   return _scales(x_mean, alphas[jnp.argmin(losses)]), losses
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "sym", "n_grid"))
+@functools.partial(jax.jit, static_argnames=("group_size", "sym", "n_grid", "fmt"))
 def search_scales(x: jax.Array, x_mean: jax.Array, w: jax.Array, *, group_size: int = 128,
-                  sym: bool = False, n_grid: int = 20) -> tuple[jax.Array, jax.Array]:
+                  sym: bool = False, n_grid: int = 20,
+                  fmt: str | None = None) -> tuple[jax.Array, jax.Array]:
   """Per-input-channel scales s [lead..., K] for the linears whose kernels, side by side along
   N, are w [lead..., K, N], and whose inputs x [lead..., n, K] (calibration rows) have mean
   magnitudes x_mean [lead..., K] (over all calibration rows). Returns (s, the loss of each alpha
   [lead..., n_grid]). Fold s in with `folding.fold`: the kernels' rows times s, their input
   divided by s."""
   *lead, k, n = w.shape
-  one = functools.partial(_search_one, group_size=group_size, sym=sym, n_grid=n_grid)
+  one = functools.partial(_search_one, group_size=group_size, sym=sym, n_grid=n_grid, fmt=fmt)
   s, losses = jax.lax.map(lambda a: one(*a), (x.reshape(-1, *x.shape[-2:]),
                                               x_mean.reshape(-1, k), w.reshape(-1, k, n)))
   return s.reshape(*lead, k), losses.reshape(*lead, n_grid)
 
 
-def _clip_one(x, w, *, group_size, sym, n_grid, max_shrink):
+def _clip_one(x, w, *, group_size, sym, n_grid, max_shrink, fmt):
   """x [n, K], w [K, N] -> w clipped per (group, output channel)."""
   k, n = w.shape
   groups = k // group_size
@@ -74,7 +83,7 @@ def _clip_one(x, w, *, group_size, sym, n_grid, max_shrink):
     best_err, best_max = best
     m = w_max * (1.0 - i / n_grid)
     wc = jnp.clip(wg, -m, m).reshape(k, n)
-    wq = fake_quantize(wc, group_size, sym).reshape(groups, group_size, n)
+    wq = _fake(wc, group_size, sym, fmt).reshape(groups, group_size, n)
     err = jnp.mean((jnp.einsum("tgk,gkn->gtn", xg, wq) - ref) ** 2, axis=1)[:, None]  # [G,1,N]
     better = err < best_err
     return (jnp.where(better, err, best_err), jnp.where(better, m, best_max)), None
@@ -84,15 +93,15 @@ def _clip_one(x, w, *, group_size, sym, n_grid, max_shrink):
   return jnp.clip(wg, -best_max, best_max).reshape(k, n)
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "sym", "n_grid", "max_shrink"))
+@functools.partial(jax.jit, static_argnames=("group_size", "sym", "n_grid", "max_shrink", "fmt"))
 def clip_weights(x: jax.Array, w: jax.Array, *, group_size: int = 128, sym: bool = False,
-                 n_grid: int = 20, max_shrink: float = 0.5) -> jax.Array:
+                 n_grid: int = 20, max_shrink: float = 0.5, fmt: str | None = None) -> jax.Array:
   """w [lead..., K, N] with each (group, output channel) clipped to the fraction of its max|w|
   (1, 1 - 1/n_grid, ... down to 1 - max_shrink) whose RTN quantization best keeps that group's
   share of the outputs on the calibration rows x [lead..., n, K] (as the kernel reads them, i.e.
   after any folded scales)."""
   *lead, k, n = w.shape
   one = functools.partial(_clip_one, group_size=group_size, sym=sym, n_grid=n_grid,
-                          max_shrink=max_shrink)
+                          max_shrink=max_shrink, fmt=fmt)
   out = jax.lax.map(lambda a: one(*a), (x.reshape(-1, *x.shape[-2:]), w.reshape(-1, k, n)))
   return out.reshape(w.shape)

@@ -13,6 +13,10 @@ experts (their rows are routed), and the separate `mlp_layers` / `moe_layers` st
 that mixes dense and MoE layers (each runs inside a conditional, outside the layer scan's paths).
 AWQ scales only the groups `folding` knows (attention; dense MLPs in `layers`).
 
+`fmt` ("mxfp4", "nvfp4"): the kernels round onto that micro-float format instead of int4
+(`jinfer/quant/microfloat.py`, its block size for the group size), by RTN or after AWQ's
+scales and clipping searched against its rounding; not GPTQ.
+
 Group size: K must be a multiple of it (the format has no ragged last group). Where the asked
 group size does not divide a kernel's K (SmolLM2's hidden size 576 = 4.5 x 128) the kernel takes
 the largest half, quarter, ... of it that does (576: 64), and the verbose log says so.
@@ -27,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.quant import awq, folding, smoothquant
+from jinfer.quant import awq, folding, microfloat, smoothquant
 from jinfer.quant.calibration import LinearStats, calibrate, calibration_tokens
 from jinfer.quant.gptq import gptq, gptq_int8, hessian
 from jinfer.quant.qarray import from_int8
@@ -80,7 +84,7 @@ def _calibrate(params, model, kernels, calibration, verbose, **kw):
 
 def apply_awq(params: dict, kernels: dict, stats: dict[tuple[str, ...], LinearStats], *,
               group_size: int, sym: bool, clip: bool = True, n_grid: int = 20,
-              norm_offset: float = 0.0, verbose: bool = True) -> dict:
+              norm_offset: float = 0.0, fmt: str | None = None, verbose: bool = True) -> dict:
   """AWQ's scales searched and folded into every scale group of the layer stack, then (`clip`)
   each kernel's clipping search. Returns float params (the same function as before, but for the
   clipping) ready for `quantize_rtn`."""
@@ -92,7 +96,7 @@ def apply_awq(params: dict, kernels: dict, stats: dict[tuple[str, ...], LinearSt
     w = folding.group_kernel(stack, kst, grp)  # [L, K, N]
     g = group_size_for(w.shape[-2], group_size)
     s, losses = awq.search_scales(jnp.asarray(st.rows), jnp.asarray(st.abs_mean), w,
-                                  group_size=g, sym=sym, n_grid=n_grid)
+                                  group_size=g, sym=sym, n_grid=n_grid, fmt=fmt)
     stack = folding.fold(stack, kst, grp, s, norm_offset)
     for p in grp.linears:
       in_scale[p] = s
@@ -113,7 +117,7 @@ def apply_awq(params: dict, kernels: dict, stats: dict[tuple[str, ...], LinearSt
       if rel in in_scale:
         x = x / in_scale[rel][:, None, :]
       clipped = awq.clip_weights(x, flat, group_size=group_size_for(flat.shape[-2], group_size),
-                                 sym=sym, n_grid=n_grid)
+                                 sym=sym, n_grid=n_grid, fmt=fmt)
       stack = folding.replace(stack, rel + ("kernel",), clipped.reshape(w.shape).astype(w.dtype))
       if verbose:
         print(f"awq: {rel[-1]} clipped ({time.perf_counter() - t:.1f} s)", file=sys.stderr, flush=True)
@@ -126,9 +130,11 @@ def quantize_model(params: dict, kernels: dict, *, method: str = "rtn", model=No
                    sym: bool = False, act_order: bool = True, percdamp: float = 0.1,
                    clip: bool = True,
                    n_grid: int = 20, rows: int = 512, seq_len: int = 512,
-                   norm_offset: float = 0.0, verbose: bool = True) -> dict:
+                   norm_offset: float = 0.0, fmt: str | None = None,
+                   verbose: bool = True) -> dict:
   """Params with every stacked linear kernel replaced by a `GroupwiseArray` (4-bit, groups of
-  `group_size` along K; see the module docstring for K it does not divide).
+  `group_size` along K; see the module docstring for K it does not divide; `fmt`: a
+  micro-float format, see there).
 
   method: "rtn" (no calibration), "awq" (scales folded into the norms and up_proj, which come
     back changed; `clip`: also AWQ's clipping search) or "gptq" (`act_order`: desc_act with
@@ -150,6 +156,10 @@ def quantize_model(params: dict, kernels: dict, *, method: str = "rtn", model=No
   """
   if method not in METHODS:
     raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+  if fmt is not None:
+    if method == "gptq":
+      raise ValueError(f"{fmt} weights take method rtn or awq, not gptq")
+    group_size = microfloat.block_size(fmt)
   start = time.perf_counter()
   if method == "rtn":
     stats = {}
@@ -161,21 +171,26 @@ def quantize_model(params: dict, kernels: dict, *, method: str = "rtn", model=No
     raise ValueError(f"{method} needs calibration statistics with `{need}`")
   if method == "awq":
     params = apply_awq(params, kernels, stats, group_size=group_size, sym=sym, clip=clip,
-                       n_grid=n_grid, norm_offset=norm_offset, verbose=verbose)
+                       n_grid=n_grid, norm_offset=norm_offset, fmt=fmt, verbose=verbose)
   out = params
   for path, decl in _stacked_kernels(params, kernels):
     t = time.perf_counter()
     w = folding.flat_kernel(folding.get(params, path + ("kernel",)), decl)  # [lead..., K, N]
-    g = group_size_for(w.shape[-2], group_size)
+    if fmt is not None and w.shape[-2] % group_size:
+      raise ValueError(f"{'/'.join(path)}: {fmt} blocks of {group_size} do not divide its "
+                       f"K={w.shape[-2]}")
+    g = group_size if fmt is not None else group_size_for(w.shape[-2], group_size)
     if method == "gptq" and path in stats:
       st = stats[path]
       q = gptq(w, hessian(jnp.asarray(st.xtx), st.count), group_size=g, sym=sym,
                act_order=act_order, percdamp=percdamp, block_size=max(128, g))
+    elif fmt is not None:
+      q = microfloat.quantize(w, fmt)
     else:
       q = quantize_rtn(w, g, sym)
     out = folding.replace(out, path + ("kernel",), jax.block_until_ready(q))
     if verbose:
-      how = "gptq" if method == "gptq" and path in stats else "rtn"
+      how = "gptq" if method == "gptq" and path in stats else fmt or "rtn"
       print(f"{how}: {'/'.join(path)} {tuple(w.shape)} g{g} "
             f"({time.perf_counter() - t:.1f} s)", file=sys.stderr, flush=True)
   if verbose:

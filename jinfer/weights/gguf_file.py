@@ -35,7 +35,8 @@ from jinfer.weights.hf_layout import WeightError, hf_to_params
 
 _Q = GGMLQuantizationType
 SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1,
-                   _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)
+                   _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.IQ4_NL, _Q.IQ4_XS, _Q.MXFP4,
+                   _Q.NVFP4)
 
 # GGUF `general.architecture` -> jinfer architecture. llama.cpp also writes Mistral as "llama",
 # and Mixtral as "llama" with experts.

@@ -16,6 +16,19 @@ integers are kept and its float16 scales widened to float32:
   Q5_K   8    32     0..31             d sc         -dmin m
   Q6_K   8    16     q - 32 (signed)   d sc         -0.0
 
+The codebook types index a table of 16 values with their 4-bit codes (the group-wise codebook
+form, w = table[q] * scale, no offset), codes kept packed as stored:
+
+  type    group  table                      scale
+  IQ4_NL  32     IQ4's 16 non-uniform ints  d
+  IQ4_XS  32     IQ4's 16 non-uniform ints  d (sc - 32), sc 6 bits per 32 of a 256-block
+  MXFP4   32     e2m1 doubled (0..12)       e8m0 as ggml decodes it (its half)
+  NVFP4   16     e2m1 doubled (0..12)       ue4m3 as ggml decodes it (its half), 4 per 64-block
+
+Each scale is computed as gguf-py computes it and multiplies the same table value, so these are
+bit for bit gguf-py's values (no signed-zero exception: gguf-py multiplies too). GGUF's NVFP4
+blocks carry no tensor scale; gguf-py's dequantization reads none.
+
 Exactness against `gguf.quants.dequantize` (float32): every product q * scale is exact (a
 float16 mantissa of 11 bits times integers of at most 13 more bits fits float32's 24), and
 where gguf-py subtracts a product we add its negation, which IEEE defines to be the same. So the
@@ -37,6 +50,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from jinfer.config import ModelConfig
+from jinfer.quant.microfloat import E2M1_DOUBLED
 from jinfer.weights.gguf_file import (_EXPERTS, _dequantized, _unpermute_rope, gguf_config,
                                       gguf_to_hf_name, gguf_value, open_gguf,
                                       stored_norm_offset)
@@ -48,11 +62,6 @@ _Q = GGMLQuantizationType
 FLOAT_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.F64)
 # Types a file may hold that are not re-encoded, and why (the error and fallback say it).
 _WHY_NOT = {
-    _Q.IQ4_NL: "its 4-bit codes index a non-uniform table (d * table[q]), which is not affine "
-               "in q; it would need 8-bit codes",
-    _Q.IQ4_XS: "its 4-bit codes index a non-uniform table (d * table[q]), which is not affine "
-               "in q; it would need 8-bit codes",
-    _Q.MXFP4: "its codes are e2m1 floats, not affine in the code",
     _Q.TQ1_0: "ternary base-3 packing is not re-encoded",
     _Q.TQ2_0: "ternary packing is not re-encoded",
 }
@@ -166,6 +175,45 @@ def _q6_k(b):
   return (low | high << 4).astype(np.int8) - 32, d, _neg_zero(d)
 
 
+IQ4_TABLE = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                     np.float32)  # ggml's kvalues_iq4nl
+
+
+def _iq4_nl(b):  # byte j of a block: value j low, j + 16 high (the format's own packing)
+  d = _f16(b, 0)
+  return b[..., 2:], d, None
+
+
+def _iq4_xs(b):
+  r, nb, _ = b.shape
+  d = _f16(b, 0)
+  high = _fields(np.ascontiguousarray(b[..., 2:4]).view("<u2"), 8, 2).reshape(r, nb, 8)
+  low = _nibbles(b[..., 4:8]).swapaxes(-1, -2).reshape(r, nb, 8)  # sub-block i: byte i // 2
+  sc = (low | high.astype(np.uint8) << 4).astype(np.int8) - np.int8(32)
+  return b[..., 8:], d * sc.astype(np.float32), None
+
+
+def _mxfp4(b):
+  e = b[..., :1].astype(np.uint32)  # ggml_e8m0_to_fp32_half's bits
+  bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32)
+  return b[..., 1:], bits.view(np.float32), None
+
+
+def _nvfp4(b):
+  x = b[..., :4]  # four ue4m3 scales, one per 16 values; 0 and 0x7F decode to 0
+  exp, man = ((x >> 3) & 15).astype(np.int32), (x & 7).astype(np.float32)
+  # (1 + man / 8) 2^(exp - 7) / 2, or man 2^-9 / 2 (subnormal): exact in float32
+  d = np.where(exp == 0, man * np.float32(2.0 ** -10),
+               np.ldexp(8 + man, exp - 11).astype(np.float32))
+  return b[..., 4:], np.where((x == 0) | (x == 0x7F), np.float32(0), d).astype(np.float32), None
+
+
+# type -> (encoder, group size, table): the codebook form, codes packed as stored
+_CODEBOOK_ENCODERS: dict[GGMLQuantizationType, tuple[Encoder, int, np.ndarray]] = {
+    _Q.IQ4_NL: (_iq4_nl, 32, IQ4_TABLE), _Q.IQ4_XS: (_iq4_xs, 32, IQ4_TABLE),
+    _Q.MXFP4: (_mxfp4, 32, E2M1_DOUBLED), _Q.NVFP4: (_nvfp4, 16, E2M1_DOUBLED),
+}
+
 # type -> (encoder, bits, group size)
 _ENCODERS: dict[GGMLQuantizationType, tuple[Encoder, int, int]] = {
     _Q.Q8_0: (_q8_0, 8, 32), _Q.Q4_0: (_q4_0, 4, 32), _Q.Q4_1: (_q4_1, 4, 32),
@@ -173,13 +221,13 @@ _ENCODERS: dict[GGMLQuantizationType, tuple[Encoder, int, int]] = {
     _Q.Q3_K: (_q3_k, 4, 16), _Q.Q4_K: (_q4_k, 4, 32), _Q.Q5_K: (_q5_k, 8, 32),
     _Q.Q6_K: (_q6_k, 8, 16),
 }
-REENCODED_TYPES = tuple(_ENCODERS)
+REENCODED_TYPES = tuple(_ENCODERS) + tuple(_CODEBOOK_ENCODERS)
 _PACKED = (_Q.Q4_0, _Q.Q4_1)  # codes come out already packed
 
 
 def why_not_groupwise(qtype: GGMLQuantizationType) -> str | None:
   """None when tensors of `qtype` re-encode exactly, else the reason they do not."""
-  if qtype in _ENCODERS:
+  if qtype in _ENCODERS or qtype in _CODEBOOK_ENCODERS:
     return None
   if qtype in FLOAT_TYPES:
     return "it is stored as floats"
@@ -199,14 +247,19 @@ def gguf_to_groupwise(t: GGUFTensor, source: str) -> GroupwiseTensor:
   its exact group-wise re-encoding [..., K, N]. A vector is one row: [K, 1]."""
   if (why := why_not_groupwise(t.tensor_type)) is not None:
     raise _type_error(t, why, source)
-  encode, bits, g = _ENCODERS[t.tensor_type]
+  codebook = _CODEBOOK_ENCODERS.get(t.tensor_type)
+  encode, bits, g = (codebook[0], 4, codebook[1]) if codebook else _ENCODERS[t.tensor_type]
   type_size = GGML_QUANT_SIZES[t.tensor_type][1]
   data = t.data if t.data.ndim > 1 else t.data[None]  # [..., N, row bytes]
   *lead, n, row_bytes = data.shape
   codes, scale, offset = encode(data.reshape(-1, row_bytes // type_size, type_size))
   # [R, nb, ...] -> [..., N, K(/2) or K/g] -> [..., K(/2) or K/g, N]
   to_kn = lambda a: np.ascontiguousarray(a.reshape(*lead, n, -1).swapaxes(-1, -2))
-  scale, offset = to_kn(scale), to_kn(offset)
+  scale = to_kn(scale)
+  if codebook:
+    return GroupwiseTensor(q=to_kn(codes), scale=scale, offset=None, bits=4, group_size=g,
+                           table=np.broadcast_to(codebook[2], (*lead, 16)).copy())
+  offset = to_kn(offset)
   if t.tensor_type in _PACKED:
     return GroupwiseTensor(q=to_kn(codes), scale=scale, offset=offset, bits=bits, group_size=g)
   return GroupwiseTensor.from_codes(to_kn(codes), scale, offset, bits=bits, group_size=g)

@@ -5,7 +5,7 @@ On disk, a directory with `jinfer_quantized.json` and `params/`, an orbax checkp
 arrays. The JSON names the model the weights came from (a built-in name or a path: its config
 and tokenizer are read from there), the quantization and its options, and, per quantized leaf
 of the params tree, its type and static fields; `params/` holds every array, a quantized leaf as
-a dict of its arrays (`q`, `scale`, `offset`, `perm`; `values`, `scale`).
+a dict of its arrays (`q`, `scale`, `offset`, `perm`, `table`; `values`, `scale`).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def save_quantized(path: str, params: dict, *, source: str, quantization: str,
       leaves[jax.tree_util.keystr(keypath)] = dict(type="groupwise", bits=x.bits,
                                                    group_size=x.group_size)
       return {k: v for k, v in (("q", x.q), ("scale", x.scale), ("offset", x.offset),
-                                ("perm", x.perm)) if v is not None}
+                                ("perm", x.perm), ("table", x.table)) if v is not None}
     if isinstance(x, QArray):
       leaves[jax.tree_util.keystr(keypath)] = dict(type="qarray", n_in=x.n_in, n_out=x.n_out,
                                                    transposed=x.transposed)
@@ -81,8 +81,9 @@ def load_quantized(path: str) -> tuple[dict, dict]:
       return jnp.asarray(node)  # uncommitted, as the rest of the engine's arrays
     a = {k: jnp.asarray(v) for k, v in node.items()}
     if leaf["type"] == "groupwise":
-      return GroupwiseArray(q=a["q"], scale=a["scale"], offset=a["offset"], bits=leaf["bits"],
-                            group_size=leaf["group_size"], perm=a.get("perm"))
+      return GroupwiseArray(q=a["q"], scale=a["scale"], offset=a.get("offset"),
+                            bits=leaf["bits"], group_size=leaf["group_size"], perm=a.get("perm"),
+                            table=a.get("table"))
     return QArray(values=a["values"], scale=a["scale"], n_in=leaf["n_in"], n_out=leaf["n_out"],
                   transposed=leaf["transposed"])
 

@@ -1,6 +1,7 @@
 """Group-wise quantized matmul: x @ w for w stored as `packing.py` defines it (int4 packed two
 per byte per group, or int8, with a float32 scale and offset per group of K rows and output
-channel). One entry point, implementations chosen by `backend`:
+channel; or the codebook form, 4-bit codes indexing a table of 16 values, times a scale per
+group). One entry point, implementations chosen by `backend`:
 
   reference   dequantize the whole weight to f32, one f32 dot: the oracle
   xla         the CPU path (see xla.py for what was measured)
@@ -16,7 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.groupwise_matmul.packing import BITS, dequantize, pack_int4, unpack_int4
+from pallas_kernels.groupwise_matmul.packing import (BITS, CODES, dequantize,
+                                                    dequantize_codebook, pack_int4, unpack_int4)
 from pallas_kernels.groupwise_matmul.pallas_gpu import groupwise_matmul_gpu
 from pallas_kernels.groupwise_matmul.pallas_tpu import groupwise_matmul_tpu
 from pallas_kernels.groupwise_matmul.reference import groupwise_matmul_reference
@@ -30,8 +32,8 @@ _IMPLS = {
 }
 BACKENDS = tuple(_IMPLS)
 
-__all__ = ["BACKENDS", "BITS", "default_backend", "dequantize", "groupwise_matmul", "pack_int4",
-           "unpack_int4"]
+__all__ = ["BACKENDS", "BITS", "CODES", "default_backend", "dequantize", "dequantize_codebook",
+           "groupwise_matmul", "pack_int4", "unpack_int4"]
 
 
 def default_backend() -> str:
@@ -39,9 +41,18 @@ def default_backend() -> str:
   return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "xla")
 
 
-def _check(x, q, scale, offset, bits: int, group_size: int) -> None:
+def _check(x, q, scale, offset, bits: int, group_size: int, table) -> None:
   if bits not in BITS:
     raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+  if table is not None:
+    if bits != 4 or offset is not None:
+      given = "" if offset is None else " and an offset"
+      raise ValueError(f"the codebook form (a table) takes 4-bit codes and no offset; got "
+                       f"bits={bits}{given}")
+    if table.shape != (CODES,) or not jnp.issubdtype(table.dtype, jnp.floating):
+      raise ValueError(f"table must be a float [{CODES}] array, got {table.dtype} {table.shape}")
+  elif offset is None:
+    raise ValueError("offset is needed unless a codebook table is given")
   if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"x must be a float [M, K] array, got {x.dtype} {x.shape}")
   k = x.shape[1]
@@ -55,7 +66,7 @@ def _check(x, q, scale, offset, bits: int, group_size: int) -> None:
                      f"K={k}, got {q.dtype} {q.shape}")
   want = (k // group_size, q.shape[1])
   for name, a in (("scale", scale), ("offset", offset)):
-    if a.shape != want:
+    if a is not None and a.shape != want:
       raise ValueError(f"{name} must be [K/group_size, N] = {list(want)}, got {list(a.shape)}")
 
 
@@ -63,15 +74,17 @@ def groupwise_matmul(
     x: jax.Array,  # [M, K] float
     q: jax.Array,  # [K/2, N] uint8 (bits 4, packed per group) or [K, N] int8 (bits 8)
     scale: jax.Array,  # [K/g, N] float32
-    offset: jax.Array,  # [K/g, N] float32
+    offset: jax.Array | None,  # [K/g, N] float32; None with a table
     *,
     bits: int,
     group_size: int,
+    table: jax.Array | None = None,  # [16] float32: the codebook form
     backend: str | None = None,
     interpret: Any = False,
     **block_sizes: int,
 ) -> jax.Array:  # [M, N] x.dtype
-  """x @ w with w[k, n] = q[k, n] * scale[k // g, n] + offset[k // g, n], accumulated in f32.
+  """x @ w with w[k, n] = q[k, n] * scale[k // g, n] + offset[k // g, n], or with a `table`
+table[q[k, n]] * scale[k // g, n], accumulated in f32.
 
   `backend` None: the platform's default when traced (`default_backend`). `interpret` runs a
   Pallas backend in interpret mode (True, or `pltpu.InterpretParams` for pallas_tpu) so it works
@@ -83,8 +96,8 @@ def groupwise_matmul(
   backend = backend or default_backend()
   if backend not in _IMPLS:
     raise ValueError(f"unknown groupwise matmul backend {backend!r}; choose one of {BACKENDS}")
-  _check(x, q, scale, offset, bits, group_size)
-  kw = dict(bits=bits, group_size=group_size)
+  _check(x, q, scale, offset, bits, group_size, table)
+  kw = dict(bits=bits, group_size=group_size, table=table)
   if backend in ("reference", "xla"):
     if block_sizes:
       raise ValueError(f"the {backend} backend takes no block sizes, got {sorted(block_sizes)}")

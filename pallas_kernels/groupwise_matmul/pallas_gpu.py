@@ -11,6 +11,10 @@ from a [M, K/g, 2, g/2] view of the activations (a free reshape outside): a stri
 index 0 (or 1) on the half axis gives the columns of the low (high) halves, in the same group
 order as the unpacked rows.
 
+The codebook form (packing.py) reads the [16] table instead of the offsets, as 16 scalar loads
+per program, and each unpacked half becomes table values by `packing.lookup`'s select tree,
+times its group's scale.
+
 Triton wants power-of-two tensor shapes: the group size and the tiles are powers of two.
 """
 from __future__ import annotations
@@ -22,14 +26,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.groupwise_matmul.packing import CODES, lookup
 from pallas_kernels.groupwise_matmul.tiles import k_tile
 from pallas_kernels.int8_matmul.padding import pad_to, round_up
 
 
-def _kernel(x_ref, q_ref, s_ref, o_ref, out_ref, *, bits: int, group_size: int, block_k: int):
+def _kernel(x_ref, q_ref, s_ref, o_ref, out_ref, *, bits: int, group_size: int, block_k: int,
+            codebook: bool):
   # x [bm, Kp/g, 2, g/2] (bits 4) or [bm, Kp/g, g] (bits 8), q [Kp/2, bn] int8 (packed) or
-  # [Kp, bn] int8, s/o [Kp/g, bn] f32, out [bm, bn]
+  # [Kp, bn] int8, s/o [Kp/g, bn] f32 (codebook: o is the [16] f32 table), out [bm, bn]
   g, bk = group_size, block_k
+  table = [o_ref[i] for i in range(CODES)] if codebook else None
   gpb = bk // g
   bm, bn = out_ref.shape
   # f32 activations get an f32 product (Triton's default is TF32).
@@ -42,10 +49,13 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, out_ref, *, bits: int, group_size: int, 
   def body(kk, acc):
     groups = pl.ds(kk * gpb, gpb)
     s = s_ref[groups, :][:, None, :]  # [gpb, 1, bn]
-    o = o_ref[groups, :][:, None, :]
 
     def dequantize(v, rows):  # [gpb * rows, bn] int32 -> [gpb * rows, bn] x dtype
-      w = v.reshape(gpb, rows, bn).astype(jnp.float32) * s + o
+      v = v.reshape(gpb, rows, bn)
+      if codebook:
+        w = lookup(v, table.__getitem__) * s
+      else:
+        w = v.astype(jnp.float32) * s + o_ref[groups, :][:, None, :]
       return w.reshape(gpb * rows, bn).astype(x_ref.dtype)
 
     if bits == 4:
@@ -66,10 +76,11 @@ def groupwise_matmul_gpu(
     x: jax.Array,  # [M, K] float
     q: jax.Array,  # [K/2, N] uint8 (bits 4) or [K, N] int8 (bits 8)
     scale: jax.Array,  # [K/g, N]
-    offset: jax.Array,  # [K/g, N]
+    offset: jax.Array | None,  # [K/g, N]; None with a table
     *,
     bits: int,
     group_size: int,
+    table: jax.Array | None = None,  # [16] f32: the codebook form
     block_m: int = 64,
     block_n: int = 128,
     block_k: int = 128,
@@ -103,20 +114,24 @@ def groupwise_matmul_gpu(
     q = pad_to(q, (kp, np_))
   zeros = (0,) * (len(x_block) - 1)
   group_spec = pl.BlockSpec((kp // g, block_n), lambda i, j: (0, j))
+  codebook = table is not None
+  if codebook:
+    last, last_spec = table.astype(jnp.float32), pl.BlockSpec((CODES,), lambda i, j: (0,))
+  else:
+    last, last_spec = pad_to(offset.astype(jnp.float32), (kp // g, np_)), group_spec
   out = pl.pallas_call(
-      functools.partial(_kernel, bits=bits, group_size=g, block_k=bk),
+      functools.partial(_kernel, bits=bits, group_size=g, block_k=bk, codebook=codebook),
       grid=(mp // bm, np_ // block_n),
       in_specs=[
           pl.BlockSpec(x_block, lambda i, j: (i, *zeros)),
           pl.BlockSpec((q.shape[0], block_n), lambda i, j: (0, j)),
           group_spec,
-          group_spec,
+          last_spec,
       ],
       out_specs=pl.BlockSpec((bm, block_n), lambda i, j: (i, j)),
       out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
-      name=f"groupwise_matmul_int{bits}_g{g}",
-  )(x, q, pad_to(scale.astype(jnp.float32), (kp // g, np_)),
-    pad_to(offset.astype(jnp.float32), (kp // g, np_)))
+      name=f"groupwise_matmul_{'codebook' if codebook else f'int{bits}'}_g{g}",
+  )(x, q, pad_to(scale.astype(jnp.float32), (kp // g, np_)), last)
   return out[:m, :n]

@@ -14,6 +14,10 @@ weights, the MXU sees a full-depth contraction.
 Packed bytes come in as int8 (a free bitcast outside): Mosaic's unsigned-integer support is
 thin, and sign extension followed by `& 15` and `(>> 4) & 15` gives the same nibbles.
 
+The codebook form (packing.py) takes the [16] table in SMEM instead of the offsets: each
+unpacked half becomes table values by `packing.lookup`'s select tree over scalar SMEM reads,
+times its group's scale; the tiles and the dot are the same.
+
 The K tile, the operand layout and the tile dequantization are helpers the grouped matmul's TPU
 kernel (MoE experts) shares.
 """
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.groupwise_matmul.packing import lookup
 from pallas_kernels.groupwise_matmul.tiles import k_tile
 from pallas_kernels.int8_matmul.padding import pad_to, round_up
 
@@ -40,24 +45,27 @@ def k_block(k: int, group_size: int, block_k: int) -> int:
   return k_tile(k, block_k, [unit * i for i in range(1, max(block_k, unit) // unit + 1)])
 
 
-def tile_operands(q: jax.Array, scale: jax.Array, offset: jax.Array, *, bits: int,
+def tile_operands(q: jax.Array, scale: jax.Array, offset: jax.Array | None, *, bits: int,
                   group_size: int, bk: int, kp: int, np_: int) -> list[jax.Array]:
-  """[q, scale, offset] (any leading axes) as the kernels read them: q as int8 (packed bytes
-  bitcast) zero-padded to [..., kp(/2), np_]; scale and offset f32, zero-padded (so padded
-  weights are zero) and viewed as [..., kp/bk, bk/g, np_], one K tile's groups per block."""
+  """[q, scale, offset] (any leading axes; [q, scale] without an offset) as the kernels read
+  them: q as int8 (packed bytes bitcast) zero-padded to [..., kp(/2), np_]; scale and offset
+  f32, zero-padded (so padded weights are zero) and viewed as [..., kp/bk, bk/g, np_], one K
+  tile's groups per block."""
   lead = scale.shape[:-2]
   nk, gpb = kp // bk, bk // group_size
   if bits == 4:
     q = jax.lax.bitcast_convert_type(q, jnp.int8)
   group = lambda a: pad_to(a.astype(jnp.float32), (*lead, kp // group_size, np_)).reshape(
       *lead, nk, gpb, np_)
-  return [pad_to(q, (*lead, kp // 2 if bits == 4 else kp, np_)), group(scale), group(offset)]
+  groups = [group(scale)] + ([] if offset is None else [group(offset)])
+  return [pad_to(q, (*lead, kp // 2 if bits == 4 else kp, np_)), *groups]
 
 
-def dequantize_tile(q: jax.Array, s: jax.Array, o: jax.Array, w_ref, *, bits: int,
-                    group_size: int) -> None:
+def dequantize_tile(q: jax.Array, s: jax.Array, o: jax.Array | None, w_ref, *, bits: int,
+                    group_size: int, table_ref=None) -> None:
   """Unpack and dequantize one weight tile into `w_ref` [bk, bn] (its dtype), natural row
-  order: q [bk/2, bn] int8 (packed 4-bit) or [bk, bn] int8, s and o [bk/g, bn] f32."""
+  order: q [bk/2, bn] int8 (packed 4-bit) or [bk, bn] int8, s and o [bk/g, bn] f32; with
+  `table_ref` ([16] f32 in SMEM) the codebook form, table[q] * s, and no o."""
   g = group_size
   q = q.astype(jnp.int32)
   for gi in range(s.shape[0]):
@@ -68,7 +76,10 @@ def dequantize_tile(q: jax.Array, s: jax.Array, o: jax.Array, w_ref, *, bits: in
       halves = (q[gi * g:(gi + 1) * g],)
     rows = g // len(halves)
     for h, v in enumerate(halves):
-      w = v.astype(jnp.float32) * s[gi:gi + 1] + o[gi:gi + 1]  # [rows, bn]
+      if table_ref is not None:
+        w = lookup(v, lambda i: table_ref[i]) * s[gi:gi + 1]  # [rows, bn]
+      else:
+        w = v.astype(jnp.float32) * s[gi:gi + 1] + o[gi:gi + 1]
       w_ref[pl.ds(gi * g + h * rows, rows), :] = w.astype(w_ref.dtype)
 
 
@@ -79,16 +90,18 @@ def dot_f32(x: jax.Array, w: jax.Array) -> jax.Array:
                              preferred_element_type=jnp.float32)
 
 
-def _kernel(x_ref, q_ref, s_ref, o_ref, out_ref, acc_ref, w_ref, *, bits: int, group_size: int):
-  # x [bm, bk], q [bk/2, bn] int8 (packed 4-bit) or [bk, bn] int8, s/o [bk/g, bn] f32,
-  # out [bm, bn]; scratch acc [bm, bn] f32, w [bk, bn] x.dtype
+def _kernel(x_ref, q_ref, s_ref, o_ref, out_ref, acc_ref, w_ref, *, bits: int, group_size: int,
+            codebook: bool):
+  # x [bm, bk], q [bk/2, bn] int8 (packed 4-bit) or [bk, bn] int8, s/o [bk/g, bn] f32 (codebook:
+  # o_ref is the [16] f32 table in SMEM), out [bm, bn]; scratch acc [bm, bn] f32, w [bk, bn]
   kk = pl.program_id(2)
 
   @pl.when(kk == 0)
   def _():
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  dequantize_tile(q_ref[...], s_ref[...], o_ref[...], w_ref, bits=bits, group_size=group_size)
+  dequantize_tile(q_ref[...], s_ref[...], None if codebook else o_ref[...], w_ref, bits=bits,
+                  group_size=group_size, table_ref=o_ref if codebook else None)
   acc_ref[...] += dot_f32(x_ref[...], w_ref[...])
 
   @pl.when(kk == pl.num_programs(2) - 1)
@@ -100,10 +113,11 @@ def groupwise_matmul_tpu(
     x: jax.Array,  # [M, K] float
     q: jax.Array,  # [K/2, N] uint8 (bits 4) or [K, N] int8 (bits 8)
     scale: jax.Array,  # [K/g, N]
-    offset: jax.Array,  # [K/g, N]
+    offset: jax.Array | None,  # [K/g, N]; None with a table
     *,
     bits: int,
     group_size: int,
+    table: jax.Array | None = None,  # [16] f32: the codebook form
     block_m: int = 128,
     block_n: int = 256,
     block_k: int = 512,
@@ -123,17 +137,20 @@ def groupwise_matmul_tpu(
   mp, np_, kp = round_up(m, bm), round_up(n, bn), round_up(k, bk)
   nk, gpb = kp // bk, bk // g
   q_rows = bk // 2 if bits == 4 else bk
+  codebook = table is not None
   operands = [pad_to(x, (mp, kp)),
               *tile_operands(q, scale, offset, bits=bits, group_size=g, bk=bk, kp=kp, np_=np_)]
   group_spec = pl.BlockSpec((None, gpb, bn), lambda i, j, kk: (kk, 0, j))
+  if codebook:
+    operands.append(table.astype(jnp.float32))
   out = pl.pallas_call(
-      functools.partial(_kernel, bits=bits, group_size=g),
+      functools.partial(_kernel, bits=bits, group_size=g, codebook=codebook),
       grid=(mp // bm, np_ // bn, nk),
       in_specs=[
           pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
           pl.BlockSpec((q_rows, bn), lambda i, j, kk: (kk, j)),
           group_spec,
-          group_spec,
+          pl.BlockSpec(memory_space=pltpu.SMEM) if codebook else group_spec,
       ],
       out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
       out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
@@ -141,6 +158,6 @@ def groupwise_matmul_tpu(
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
       interpret=interpret,
-      name=f"groupwise_matmul_int{bits}_g{g}",
+      name=f"groupwise_matmul_{'codebook' if codebook else f'int{bits}'}_g{g}",
   )(*operands)
   return out[:m, :n]

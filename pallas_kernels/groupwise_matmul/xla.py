@@ -55,22 +55,28 @@ per-group batched integer dots (depth g/2) starve XLA:CPU's integer GEMM. Its 16
 are the precision `int8_matmul`'s CPU path already uses for W8A16; the float path's own results
 differ with M anyway (XLA:CPU's f32 GEMV and GEMM sum in different orders), so switching forms
 at M=1 gives up no bitwise batch invariance that existed.
+
+The codebook form (a table of 16 values, see packing.py) always dequantizes, then one f32 dot:
+its values are not integers on a grid, so the one-row integer path does not apply. The codes
+are looked up by `packing.lookup`'s select tree inside the same broadcast pass.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.groupwise_matmul.packing import lookup
 from pallas_kernels.int8_matmul.quantize import QMAX, quantize_per_token
 
 _BASE = 2 * QMAX  # a digit's residual is at most half its step: the next digit's full range
 
 
-def dequantize_f32(q: jax.Array, scale: jax.Array, offset: jax.Array, *, bits: int,
-                   group_size: int) -> jax.Array:  # [K, N] float32
-  """`packing.dequantize` written as one broadcast: the two nibbles of each packed byte come
-  from a shift by [0, 4] along a new half axis, never a stack of two arrays (inside a scan over
-  layers, a stack fused with the layer's slice ran 4-14x slower: see above)."""
+def dequantize_f32(q: jax.Array, scale: jax.Array, offset: jax.Array | None, *, bits: int,
+                   group_size: int, table: jax.Array | None = None) -> jax.Array:  # [K, N] f32
+  """`packing.dequantize` (or `dequantize_codebook`, given a [16] table) written as one
+  broadcast: the two nibbles of each packed byte come from a shift by [0, 4] along a new half
+  axis, never a stack of two arrays (inside a scan over layers, a stack fused with the layer's
+  slice ran 4-14x slower: see above)."""
   g = group_size
   rows, n = q.shape  # [K/2, N] or [K, N]
   if bits == 4:
@@ -79,7 +85,10 @@ def dequantize_f32(q: jax.Array, scale: jax.Array, offset: jax.Array, *, bits: i
     v = (p >> shift) & 15  # [K/g, 2, g/2, N]: a group's rows 0..g/2-1, then g/2..g-1
   else:
     v = q.reshape(rows // g, 1, g, n)
-  w = v.astype(jnp.float32) * scale[:, None, None, :] + offset[:, None, None, :]
+  if table is not None:
+    w = lookup(v, lambda i: table[i]) * scale[:, None, None, :]
+  else:
+    w = v.astype(jnp.float32) * scale[:, None, None, :] + offset[:, None, None, :]
   return w.reshape(-1, n)
 
 
@@ -110,13 +119,15 @@ def groupwise_matmul_xla(
     x: jax.Array,  # [M, K] float
     q: jax.Array,  # [K/2, N] uint8 (bits 4) or [K, N] int8 (bits 8)
     scale: jax.Array,  # [K/g, N] float32
-    offset: jax.Array,  # [K/g, N] float32
+    offset: jax.Array | None,  # [K/g, N] float32; None with a table
     *,
     bits: int,
     group_size: int,
+    table: jax.Array | None = None,  # [16] float32: the codebook form
 ) -> jax.Array:  # [M, N] x.dtype
-  scale, offset = scale.astype(jnp.float32), offset.astype(jnp.float32)
-  if bits == 4 and x.shape[0] == 1:
-    return _int4_row(x, q, scale, offset, group_size).astype(x.dtype)
-  w = dequantize_f32(q, scale, offset, bits=bits, group_size=group_size)  # [K, N]
+  scale = scale.astype(jnp.float32)
+  if table is None and bits == 4 and x.shape[0] == 1:
+    return _int4_row(x, q, scale, offset.astype(jnp.float32), group_size).astype(x.dtype)
+  w = dequantize_f32(q, scale, None if offset is None else offset.astype(jnp.float32), bits=bits,
+                     group_size=group_size, table=table)  # [K, N]
   return jnp.dot(x.astype(jnp.float32), w).astype(x.dtype)
