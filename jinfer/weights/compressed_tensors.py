@@ -28,8 +28,10 @@ headers before any weight is read, and errors name the tensor and the config fie
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jinfer.weights.channel_tensor import ChannelTensor
@@ -42,6 +44,7 @@ _CF = "quantization_config"
 FORMATS = ("int-quantized", "float-quantized", "pack-quantized")
 _VALUES = {"int-quantized": "I8", "float-quantized": "F8_E4M3", "fp8": "F8_E4M3"}
 _SCALE_DTYPES = ("F32", "BF16", "F16")
+FP8 = np.dtype(jnp.float8_e4m3fn)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,6 +161,8 @@ def read(path: str, s: Scheme) -> GroupwiseWeights:
 
   def read_tensor(name: str) -> np.ndarray:
     try:
+      if header(name)[1] == "F8_E4M3":  # safetensors' numpy and flax readers lack float8
+        return _raw_float8(files[name], name)
       with jax.default_device(jax.local_devices(backend="cpu")[0]):
         return np.asarray(handle(name).get_tensor(name))
     except Exception as e:
@@ -185,6 +190,17 @@ def read(path: str, s: Scheme) -> GroupwiseWeights:
       "weight_zero_point", "weight_g_idx", "input_scale", "activation_scale")}
   floats = {name: read_tensor(name) for name in sorted(files) if name not in taken}
   return GroupwiseWeights(linears, floats, {})
+
+
+def _raw_float8(file: str, name: str) -> np.ndarray:
+  """A float8_e4m3fn tensor's bytes as laid out in the file: an 8-byte header length, the JSON
+  header, then the data (safetensors' format)."""
+  with open(file, "rb") as fh:
+    size = int.from_bytes(fh.read(8), "little")
+    entry = json.loads(fh.read(size))[name]
+    start, end = entry["data_offsets"]
+    fh.seek(8 + size + start)
+    return np.frombuffer(fh.read(end - start), FP8).reshape(entry["shape"])
 
 
 def _need(s: Scheme, name: str, files, why: str) -> None:
