@@ -37,6 +37,8 @@ MODES = {  # name -> engine options
     "int4-rtn-g128": dict(quantization="int4", quantization_config={"method": "rtn"}),
     "int4-awq-g128": dict(quantization="int4", quantization_config={"method": "awq"}),
     "int4-gptq-g128": dict(quantization="int4", quantization_config={"method": "gptq"}),
+    "fp8": dict(quantization="fp8"),  # FP8-dynamic: e4m3 weights and per-token activations
+    "fp8-w8a16": dict(quantization="fp8", quantization_config={"activations": "float"}),
     "gguf": dict(quantization="gguf"),
     "kv-int8": dict(kv_cache_dtype="int8"),
     "kv-fp8": dict(kv_cache_dtype="fp8"),

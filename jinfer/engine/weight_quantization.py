@@ -37,7 +37,7 @@ from jinfer.models import CausalLM, linear_kernels
 from jinfer.quant.calibration import calibration_tokens
 from jinfer.quant.groupwise import GroupwiseArray
 from jinfer.quant.model import METHODS, quantize_model, smooth_model
-from jinfer.quant.qarray import QArray, quantize
+from jinfer.quant.qarray import QArray, quantize, relayout
 from jinfer.weights.builtin import RANDOM_MODELS, is_builtin
 from jinfer.weights.hf_quantized import is_quantized_dir
 from jinfer.weights.hf_quantized_dir import checkpoint_quantization
@@ -141,14 +141,19 @@ def save(path: str, params: dict, *, source: str, quantization: str | None,
 def quantize_weights(config: ModelConfig, params: dict, quantization: str | None,
                      options: dict, *, int8_transposed: bool, tokenizer=None) -> dict:
   """`params` as `quantization` runs them (`options`: `check_config`'s). Params a checkpoint
-  brought quantized are left as they are."""
+  brought quantized keep their values; per-channel ones are laid out as this engine's matmul
+  reads them (`int8_transposed`), exactly."""
   done = lambda x: isinstance(x, (QArray, GroupwiseArray))
-  if quantization in (None, "gguf") or any(map(done, jax.tree.leaves(params, is_leaf=done))):
+  if quantization in (None, "gguf"):
     return params
+  kernels = linear_kernels(config, int8_transposed)
+  if any(map(done, jax.tree.leaves(params, is_leaf=done))):
+    return jax.tree.map(lambda w, k: relayout(w, k[3]) if isinstance(w, QArray) else w, params,
+                        kernels, is_leaf=done)
   if quantization == "fp8" and config.moe_layer_ids:
     raise ParameterError("quantization", "quantization='fp8' runs dense models; MoE experts "
                          "have no float8 grouped matmul yet (use int8, w8a8 or int4)")
-  kernels, declared = linear_kernels(config, int8_transposed), linear_kernels(config)
+  declared = linear_kernels(config)
   fmt = "fp8" if quantization == "fp8" else "int8"
   calibrates = ((quantization == "w8a8" and options["smoothquant"])
                 or (quantization == "int4" and options["method"] != "rtn"))

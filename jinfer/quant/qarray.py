@@ -88,6 +88,19 @@ def from_int8(q: jax.Array, scale: jax.Array, shape: tuple[int, ...], n_in: int,
                 transposed=store_transposed)
 
 
+def relayout(q: QArray, store_transposed: bool) -> QArray:
+  """`q` with its values stored outputs first (`store_transposed`) or inputs first: the same
+  values and scales, moved."""
+  if q.transposed == store_transposed:
+    return q
+  lead = q.scale.ndim - q.n_out
+  first, second = (q.n_out, q.n_in) if q.transposed else (q.n_in, q.n_out)
+  axes = (tuple(range(lead)) + tuple(range(lead + first, lead + first + second))
+          + tuple(range(lead, lead + first)))
+  return QArray(values=jnp.transpose(q.values, axes), scale=q.scale, n_in=q.n_in,
+                n_out=q.n_out, transposed=store_transposed)
+
+
 def quantize_params(params: dict, kernels: dict) -> dict:
   """Quantize every leaf that `kernels` (the params tree with each linear kernel's
   `(n_in, n_out, transposed[, store_transposed])`, None elsewhere, see `linear_kernels`) marks as
