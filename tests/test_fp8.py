@@ -12,7 +12,7 @@ from jinfer import LLM, SamplingParams
 from jinfer.engine.weight_quantization import check_config, quantize_weights
 from jinfer.errors import ParameterError
 from jinfer.loader import load_model
-from jinfer.quant.qarray import QArray
+from jinfer.quant.qarray import QArray, quantize, relayout
 from pallas_kernels.fp8_matmul import FP8, fp8_matmul, quantize_per_channel_fp8
 
 
@@ -112,3 +112,20 @@ def test_fp8_saves_and_loads_back_with_its_activations(tiny_model_dir, tmp_path)
   assert kernel.values.dtype == FP8
   assert [o.outputs[0].token_ids for o in back.generate(prompts, sp, use_tqdm=False)] == want
   assert back.engine.stats().weight_bytes == llm.engine.stats().weight_bytes
+
+
+@pytest.mark.parametrize("n_in, shape", [(1, (2, 24, 3, 8)), (2, (2, 3, 8, 24))])
+def test_relayout_moves_values_exactly(n_in, shape):
+  """A kernel stored inputs first, laid out outputs first (and back), is the kernel the
+  quantizer stores that way: the CPU's layout for a checkpoint read inputs first."""
+  w = jnp.asarray(np.random.default_rng(2).standard_normal(shape), jnp.float32)
+  n_out = len(shape) - 1 - n_in
+  ins_first = quantize(w, n_in, n_out, store_transposed=False, fmt="fp8")
+  outs_first = quantize(w, n_in, n_out, store_transposed=True, fmt="fp8")
+  moved = relayout(ins_first, True)
+  assert moved.transposed and moved.values.shape == outs_first.values.shape
+  np.testing.assert_array_equal(np.asarray(moved.values, np.float32),
+                                np.asarray(outs_first.values, np.float32))
+  back = relayout(moved, False)
+  np.testing.assert_array_equal(np.asarray(back.values, np.float32),
+                                np.asarray(ins_first.values, np.float32))
