@@ -29,8 +29,9 @@ def load_model(model: str, dtype=jnp.float32, *, load_tokenizer: bool = True,
 
   Quantized checkpoints: an AWQ or GPTQ directory always loads its linear layers as 4-bit
   `GroupwiseArray`s (never through float), a compressed-tensors or transformers FP8 one as
-  its scheme stores them (int8 / float8 `QArray`s, 4-bit `GroupwiseArray`s); a GGUF file's blocks stay quantized (re-encoded
-  exactly, see `jinfer/weights/gguf_quantized.py`) with `keep_gguf_quantized`, else they are
+  its scheme stores them (int8 / float8 `QArray`s, 4-bit `GroupwiseArray`s); a GGUF file's
+  blocks stay quantized (re-encoded exactly, see `jinfer/weights/gguf_quantized.py`) with
+  `keep_gguf_quantized`, else they are
   dequantized to `dtype`. A directory jinfer saved a quantized model into
   (`jinfer/weights/quantized_checkpoint.py`) loads its params as saved, the config and tokenizer
   from the model they came from. `config_only`: no params (None); it also takes the names of

@@ -14,4 +14,5 @@ from pallas_kernels.ragged_paged_attention import (default_backend, merge_attent
 
 __all__ = ["AttentionMetadata", "KVCacheSpec", "QuantizedKVCache", "write_kv",
            "ragged_paged_attention", "merge_attention", "default_backend", "dense_matmul",
-           "fp8_matmul", "grouped_matmul", "groupwise_matmul", "int8_matmul", "quantize_per_channel"]
+           "fp8_matmul", "grouped_matmul", "groupwise_matmul", "int8_matmul",
+           "quantize_per_channel"]

@@ -79,8 +79,9 @@ class Linear(nn.Module):
   """y = x @ kernel over the leading `n_in` kernel axes. The one place weights multiply.
 
   Quantized, the kernel is a `QArray` (int8 or float8 values, a float scale per output channel)
-  and the product goes through the int8 or the float8 matmul, or a `GroupwiseArray` (int4 or int8 values with a
-  scale and offset per group of inputs, flattened to [K, N]) through the group-wise one.
+  and the product goes through the int8 or the float8 matmul, or a `GroupwiseArray` (int4 or
+  int8 values with a scale and offset per group of inputs, flattened to [K, N]) through the
+  group-wise one.
   """
   shape: tuple[int, ...]
   axes: tuple[str, ...]

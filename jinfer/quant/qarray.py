@@ -23,8 +23,6 @@ from flax import struct
 from pallas_kernels import quantize_per_channel
 from pallas_kernels.fp8_matmul import quantize_per_channel_fp8
 
-FORMATS = ("int8", "fp8")  # what `quantize` rounds onto
-
 
 @struct.dataclass
 class QArray:
@@ -58,9 +56,8 @@ class QArray:
 def quantize(w: jax.Array, n_in: int, n_out: int, transposed: bool = False,
              store_transposed: bool | None = None, fmt: str = "int8") -> QArray:
   """Per-output-channel symmetric int8 (`fmt="fp8"`: float8 e4m3) over the `n_in` contracting
-  axes of w
-  `[lead..., in..., out...]` (`[lead..., out..., in...]` when `transposed`). The values keep
-  w's layout unless `store_transposed` says which to store."""
+  axes of w `[lead..., in..., out...]` (`[lead..., out..., in...]` when `transposed`). The
+  values keep w's layout unless `store_transposed` says which to store."""
   store = transposed if store_transposed is None else store_transposed
   lead = w.shape[:w.ndim - n_in - n_out]
   first, second = w.shape[len(lead):len(lead) + (n_out if transposed else n_in)], \
