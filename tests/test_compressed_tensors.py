@@ -117,6 +117,29 @@ def test_compressed_tensors_read_kept_and_bit_exact(checkpoints, name):
   assert "lm_head.weight" in weights.floats  # ignored by the scheme: float, as stored
 
 
+def test_pack_quantized_group_index_sorts_rows_into_groups(checkpoints, tmp_path):
+  """An older checkpoint's activation order (`weight_g_idx`, input k in group g_idx[k]): rows
+  sorted into whole groups, the activations permuted to match, exactly the weight a hand
+  dequantization through g_idx gives (the package no longer reads g_idx)."""
+  from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+  path = shutil.copytree(checkpoints["w4a16-actorder"], tmp_path / "g_idx")
+  file = os.path.join(path, "model.safetensors")
+  state = load_file(file)
+  want = {}
+  for name in [k for k in state if k.endswith(".weight_packed")]:
+    module = name.removesuffix(".weight_packed")
+    n, k = state[module + ".weight_shape"].tolist()
+    g_idx = torch.arange(k, dtype=torch.int32) % (k // 16)  # interleaved groups
+    state[module + ".weight_g_idx"] = g_idx
+    q = unpack_from_int32(state[name], 4, torch.Size([n, k])).float()
+    want[module] = q * state[module + ".weight_scale"].float()[:, g_idx.long()]  # [N, K]
+  save_file(state, file, metadata={"format": "pt"})
+  weights = read_quantized_dir(str(path))
+  for module, t in weights.linears.items():
+    assert t.perm is not None
+    assert torch.equal(torch.from_numpy(t.dequantize().T.copy()), want[module]), module
+
+
 def test_transformers_fp8_checkpoint_reads_exactly(tiny_model_dir, tmp_path):
   """transformers' own FP8 layout (per-tensor `weight_scale_inv`), against its dequantization."""
   from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
