@@ -14,9 +14,12 @@ weights, calibrated on what.
            their embedding at 6-8 bits
   "gguf"   a GGUF file's blocks as stored: the loader keeps them, nothing to do here. The
            default for a GGUF file on a GPU (`default_quantization`)
-  "fp8"    float8 (e4m3) weights per output channel and activations float8 per token,
-           dynamic (vLLM's FP8-dynamic); `quantization_config={"activations": "float"}` keeps
-           activations float (W8A16-FP8). No calibration. Dense models (MoE experts: not yet)
+  "fp8"    the decoder layers' projections float8 (e4m3) per output channel, activations
+           float8 per token, dynamic (vLLM's FP8-dynamic); `quantization_config={"activations":
+           "float"}` keeps activations float (W8A16-FP8). The embedding and LM head int8 per
+           channel, as under int4: in fp8 they cost SmolLM2 another 3.6% of perplexity (+6.7%
+           against +3.8%, docs/quantization.md). No calibration. Dense models only (no float8
+           grouped matmul for MoE experts yet)
 
 Calibration (AWQ, GPTQ, SmoothQuant) runs the float model over the English text shipped with
 `jinfer.quant` and prints its progress and time, once per machine: its result is kept in the
@@ -170,10 +173,10 @@ def quantize_weights(config: ModelConfig, params: dict, quantization: str | None
       params = quantize_model(params, declared, method=options["method"],
                               group_size=options["group_size"], sym=options["sym"],
                               **(calibrate() if calibrates else {}))
-    # What is still float among the linear kernels goes int8 or fp8 (for int4: the embedding
-    # and head, int8).
-    return jax.tree.map(lambda w, k: w if k is None or done(w) else quantize(w, *k, fmt=fmt),
-                        params, kernels, is_leaf=done)
+    # What is still float among the linear kernels goes int8 (for int4: the embedding / head),
+    # or for fp8 the decoder layers' (stacked) kernels fp8 and the embedding / head int8.
+    return jax.tree.map(lambda w, k: w if k is None or done(w) else quantize(
+        w, *k, fmt=fmt if w.ndim > k[0] + k[1] else "int8"), params, kernels, is_leaf=done)
 
   if not calibrates:
     return run(params)

@@ -67,12 +67,8 @@ NO_WINDOW = 1 << 30  # a per-layer window that never excludes a key
 # A quantized tied LM head keeps float activations even under W8A8: rounding the final hidden
 # state per token cost W8A8 another point of perplexity on the pydoc text (+5.4% vs +4.4%).
 HEAD_MODE = "w8a16"
-# Quantizations whose float-shaped kernels become `QArray`s: int4 keeps the LM head int8.
+# Quantizations whose float-shaped kernels become `QArray`s: int4 and fp8 keep the LM head int8.
 INT8_KERNELS = ("int8", "w8a8", "int4", "fp8")
-
-
-def _qarray_dtype(kernels: KernelOptions):
-  return FP8 if kernels.quantization == "fp8" else jnp.int8
 
 
 class Linear(nn.Module):
@@ -102,8 +98,7 @@ class Linear(nn.Module):
     if self.kernels.quantization in INT8_KERNELS and not isinstance(stored, jax.Array):
       flip = self.kernels.int8_transposed
       init = lambda _, shape, dtype: QArray(
-          values=jnp.zeros(out_shape + shape[:self.n_in] if flip else shape,
-                           _qarray_dtype(self.kernels)),
+          values=jnp.zeros(out_shape + shape[:self.n_in] if flip else shape, jnp.int8),
           scale=jnp.ones(out_shape, jnp.float32), n_in=self.n_in, n_out=n_out, transposed=flip)
     else:
       init = _init
@@ -497,8 +492,8 @@ def lm_head(params: dict, config: ModelConfig, kernels: KernelOptions, x: jax.Ar
 
 def _embedding_init(kernels: KernelOptions, key, shape, dtype):
   if kernels.quantization in INT8_KERNELS:
-    return QArray(values=jnp.zeros(shape, _qarray_dtype(kernels)),
-                  scale=jnp.ones(shape[:1], jnp.float32), n_in=1, n_out=1, transposed=True)
+    return QArray(values=jnp.zeros(shape, jnp.int8), scale=jnp.ones(shape[:1], jnp.float32),
+                  n_in=1, n_out=1, transposed=True)
   return _init(key, shape, dtype)
 
 
