@@ -8,7 +8,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jinfer import LLM, SamplingParams
+from jinfer import LLM
+from jinfer.engine import weight_quantization
+from jinfer.engine.engine_config import EngineConfig
 from jinfer.engine.weight_quantization import check_config, quantize_weights
 from jinfer.errors import ParameterError
 from jinfer.loader import load_model
@@ -91,27 +93,32 @@ def test_bad_fp8_options_fail_before_loading(tiny_model_dir, options, says):
   assert e.value.param == "quantization_config"
 
 
-# Slow: one engine compiled, one loaded back from the compilation cache (~20 s).
-@pytest.mark.slow
 def test_fp8_saves_and_loads_back_with_its_activations(tiny_model_dir, tmp_path):
-  """W8A16-FP8 (float activations) saved and loaded: the same tokens, run the same way."""
-  options = dict(warmup=False, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
-                 scan_layers=True)
-  llm = LLM(tiny_model_dir, quantization="fp8", quantization_config={"activations": "float"},
-            **options)
-  assert llm.engine.config.kernel_options().matmul_mode == "w8a16"
-  prompts = [[0, 5, 9, 33, 2, 7], [0, 100, 4, 17]]
-  sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-  want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+  """W8A16-FP8 (float activations) saved and loaded: the float8 values as they were, and the
+  engine config it loads with runs them the same way (no quantizing again)."""
+  config, params, _ = load_model(tiny_model_dir, load_tokenizer=False)
+  options = check_config("fp8", {"activations": "float"})
+  q = quantize_weights(config, params, "fp8", options, int8_transposed=True)
   path = str(tmp_path / "saved")
-  llm.save_quantized(path)
-  back = LLM(path, **options)
-  assert back.engine.config.model.quantization == "fp8"
-  assert back.engine.config.model.quantization_config == {"activations": "float"}
-  kernel = back.engine.runner.stacked_params["layers"]["mlp"]["up_proj"]["kernel"]
-  assert kernel.values.dtype == FP8
-  assert [o.outputs[0].token_ids for o in back.generate(prompts, sp, use_tqdm=False)] == want
-  assert back.engine.stats().weight_bytes == llm.engine.stats().weight_bytes
+  weight_quantization.save(path, q, source=tiny_model_dir, quantization="fp8",
+                           quantization_config=options)
+  _, back, _, engine_config = weight_quantization.load(EngineConfig(), path, jnp.float32,
+                                                       load_tokenizer=False)
+  assert engine_config.model.quantization == "fp8"
+  assert engine_config.model.quantization_config == {"activations": "float"}
+  kernels = engine_config.resolve(config, jnp.float32).kernel_options()
+  assert kernels.matmul_mode == "w8a16"
+  is_q = lambda x: isinstance(x, QArray)
+  for a, b in zip(jax.tree.leaves(q, is_leaf=is_q), jax.tree.leaves(back, is_leaf=is_q)):
+    assert type(a) is type(b)
+    if is_q(a):
+      assert a.values.dtype == b.values.dtype and a.transposed == b.transposed
+      np.testing.assert_array_equal(np.asarray(a.values, np.float32),
+                                    np.asarray(b.values, np.float32))
+      np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
+  with pytest.raises(ParameterError, match="quantized as 'fp8'"):
+    weight_quantization.load(EngineConfig.of(quantization="int8"), path, jnp.float32,
+                             load_tokenizer=False)
 
 
 @pytest.mark.parametrize("n_in, shape", [(1, (2, 24, 3, 8)), (2, (2, 3, 8, 24))])
