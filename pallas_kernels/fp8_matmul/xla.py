@@ -4,9 +4,9 @@ W8A8 (FP8-dynamic) is one `dot_general` of float8 operands accumulating in float
 scales applied after it. W8A16-FP8 widens the weights to the activation dtype inside the dot
 (e4m3 values are exact in bfloat16). What each compiler makes of it (docs/quantization.md):
   * H100 (XLA:GPU): a Triton GEMM fusion that reads the float8 weights from HBM (half of
-    bf16's bytes) and widens them in registers: no float copy of the weights.
-  * TPU v5e/v6e (no float8 matrix unit): XLA widens the operands to bfloat16 in the dot's
-    fusion; the estimate puts it level with the int8 XLA form (tests/test_compile_fp8.py).
+    bf16's bytes) and widens them to float16 in registers for `mma.sync`: no float copy of
+    the weights, but not the fp8 tensor cores yet.
+  * TPU v5e/v6e (no float8 matrix unit): XLA widens the operands in the dot's fusion; the estimate puts it level with the int8 XLA form (tests/test_compile_kernels.py).
   * CPU (XLA:CPU): the weights are converted to float32 every step, slower than float32
     weights; the CPU's quantized path is int8's integer GEMM.
 """
