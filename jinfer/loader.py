@@ -13,7 +13,8 @@ from jinfer.weights.builtin import (CONFIG_ONLY_MODELS, builtin_path, config_onl
 from jinfer.weights.gguf_file import gguf_config, load_gguf, open_gguf
 from jinfer.weights.gguf_quantized import read_gguf_groupwise
 from jinfer.weights.hf_layout import hf_to_params
-from jinfer.weights.hf_quantized import is_quantized_dir, read_hf_groupwise
+from jinfer.weights.hf_quantized import is_quantized_dir
+from jinfer.weights.hf_quantized_dir import read_quantized_dir
 from jinfer.weights.quantized_checkpoint import is_quantized_checkpoint, load_quantized
 from jinfer.weights.safetensors_dir import load_safetensors_dir
 
@@ -27,8 +28,10 @@ def load_model(model: str, dtype=jnp.float32, *, load_tokenizer: bool = True,
   Without `load_tokenizer` the tokenizer is None (token-id prompts only).
 
   Quantized checkpoints: an AWQ or GPTQ directory always loads its linear layers as 4-bit
-  `GroupwiseArray`s (never through float); a GGUF file's blocks stay quantized (re-encoded
-  exactly, see `jinfer/weights/gguf_quantized.py`) with `keep_gguf_quantized`, else they are
+  `GroupwiseArray`s (never through float), a compressed-tensors or transformers FP8 one as
+  its scheme stores them (int8 / float8 `QArray`s, 4-bit `GroupwiseArray`s); a GGUF file's
+  blocks stay quantized (re-encoded exactly, see `jinfer/weights/gguf_quantized.py`) with
+  `keep_gguf_quantized`, else they are
   dequantized to `dtype`. A directory jinfer saved a quantized model into
   (`jinfer/weights/quantized_checkpoint.py`) loads its params as saved, the config and tokenizer
   from the model they came from. `config_only`: no params (None); it also takes the names of
@@ -70,7 +73,7 @@ def _load(model: str, dtype, load_tokenizer: bool, keep_gguf_quantized: bool,
     if config_only:
       params = None
     elif is_quantized_dir(model):
-      params = hf_to_params(config, read_hf_groupwise(model).get, dtype=dtype, source=model)
+      params = hf_to_params(config, read_quantized_dir(model).get, dtype=dtype, source=model)
     else:
       params = load_safetensors_dir(model, config, dtype)
     return config, params, Tokenizer.from_dir(model) if load_tokenizer else None

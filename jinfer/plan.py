@@ -126,7 +126,7 @@ class Plan:
       if q is None:
         out.append("--quantization int8 (about half the weight bytes) or int4 (about a "
                    "quarter)")
-      elif q in ("int8", "w8a8"):
+      elif q in ("int8", "w8a8", "fp8"):
         out.append("--quantization int4 (about half of int8's weight bytes)")
       tp, n = c.parallel.tensor_parallel_size, self.target.num_devices
       more = [s for s in valid_tensor_parallel_sizes(e.model_config, n) if s > tp

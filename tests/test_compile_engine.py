@@ -108,3 +108,15 @@ def test_plan_cli_json(capsys):
   assert {d["kind"] for d in out["decode"]} == {"estimate"}
   assert [d["batch"] for d in out["decode"]] == [1, 8, 64]
   assert out["memory_per_device"]["weights"] > 15e9  # Qwen3-8B in bf16: 16.4 GB
+
+
+def test_fp8_decode_reads_fp8_weights_in_place_on_h100(tmp_path):
+  """quantization="fp8" on an H100: the decode step of Llama-3.1-8B's layers (two of them)
+  builds with every linear on the float8 dot, reading the float8 weights where they are; the
+  weights are about half their bf16 bytes (the untied embedding stays bf16)."""
+  p = _plan(_shallow(tmp_path, "llama-3.1-8b", 2), "h100", [1], quantization="fp8")
+  built(p)
+  step = p.steps[0]
+  assert step.copy_bytes == 0, p.report()
+  bf16 = 2 * sum(math.prod(a.shape) for a in jax.tree.leaves(param_shapes(p.engine.model_config)))
+  assert p.engine.weight_bytes < 0.55 * bf16, p.report()

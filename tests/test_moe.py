@@ -15,6 +15,8 @@ import transformers
 from safetensors.torch import save_file
 
 from jinfer.config import ModelConfig
+from jinfer.engine.weight_quantization import check_config, quantize_weights
+from jinfer.errors import ParameterError
 from jinfer.models import CausalLM, linear_kernels, unstack_layers
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.quant.qarray import QArray, quantize_params
@@ -300,3 +302,11 @@ def test_pallas_tpu_grouped_matmul_in_the_model(quantization, tmp_path):
   got = _prefill(CausalLM(config, tpu), params, prompts, pad_to=PREFILL_ROWS)
   np.testing.assert_allclose(got[0], want[0], atol=1e-4, rtol=1e-4)
   np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_fp8_refuses_moe_experts(tmp_path):
+  """No float8 grouped matmul yet: quantization="fp8" of an MoE model says so."""
+  _, config, params, _ = _saved(FAST, tmp_path)
+  with pytest.raises(ParameterError, match="MoE experts have no float8 grouped matmul") as e:
+    quantize_weights(config, params, "fp8", check_config("fp8", None), int8_transposed=False)
+  assert e.value.param == "quantization"

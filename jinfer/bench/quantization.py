@@ -39,6 +39,8 @@ MODES = {  # name -> engine options
     "int4-gptq-g128": dict(quantization="int4", quantization_config={"method": "gptq"}),
     **{f"{fmt}-{method}": dict(quantization=fmt, quantization_config={"method": method})
        for fmt in ("mxfp4", "nvfp4") for method in ("rtn", "awq")},
+    "fp8": dict(quantization="fp8"),  # FP8-dynamic: e4m3 weights and per-token activations
+    "fp8-w8a16": dict(quantization="fp8", quantization_config={"activations": "float"}),
     "gguf": dict(quantization="gguf"),
     "kv-int8": dict(kv_cache_dtype="int8"),
     "kv-fp8": dict(kv_cache_dtype="fp8"),

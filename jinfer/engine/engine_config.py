@@ -48,7 +48,8 @@ KV_STORAGE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelOptions:
   max_model_len: int = 2048  # prompt + output tokens per sequence (capped by the model's)
-  # None, "int8" (int8 weights, float activations: W8A16) or "w8a8"; applied at load time.
+  # None, "int8" (int8 weights, float activations: W8A16), "w8a8", "int4", "gguf" or "fp8"
+  # (see jinfer/engine/weight_quantization.py); applied at load time.
   quantization: str | None = None
   # How `quantization` quantizes, as JSON or a dict (vLLM's name), e.g. {"method": "awq",
   # "group_size": 128}; None: the mode's defaults.
@@ -363,6 +364,8 @@ class ResolvedConfig:
                                          self.grouped_matmul_backend.startswith("pallas")
                                          else self.grouped_matmul_backend),
                          interpret=self.kernels.interpret, quantization=self.model.quantization,
+                         fp8_activations=(self.model.quantization_config or {}).get(
+                             "activations", "fp8") == "fp8",
                          mesh=mesh, context_layout=self.parallel.context_layout,
                          expert_parallel=self.parallel.enable_expert_parallel)
 

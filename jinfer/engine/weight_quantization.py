@@ -19,6 +19,12 @@ weights, calibrated on what.
            codebook form; the embedding int8
   "gguf"   a GGUF file's blocks as stored: the loader keeps them, nothing to do here. The
            default for a GGUF file on a GPU (`default_quantization`)
+  "fp8"    the decoder layers' projections float8 (e4m3) per output channel, activations
+           float8 per token, dynamic (vLLM's FP8-dynamic); `quantization_config={"activations":
+           "float"}` keeps activations float (W8A16-FP8). The embedding and LM head int8 per
+           channel, as under int4: in fp8 they cost SmolLM2 another 3.6% of perplexity (+6.7%
+           against +3.8%, docs/quantization.md). No calibration. Dense models only (no float8
+           grouped matmul for MoE experts yet)
 
 Calibration (AWQ, GPTQ, SmoothQuant) runs the float model over the English text shipped with
 `jinfer.quant` and prints its progress and time, once per machine: its result is kept in the
@@ -40,16 +46,19 @@ from jinfer.quant.calibration import calibration_tokens
 from jinfer.quant.groupwise import GroupwiseArray
 from jinfer.quant.microfloat import FORMATS
 from jinfer.quant.model import METHODS, quantize_model, smooth_model
-from jinfer.quant.qarray import QArray, quantize
+from jinfer.quant.qarray import QArray, quantize, relayout
 from jinfer.weights.builtin import RANDOM_MODELS, is_builtin
 from jinfer.weights.hf_quantized import is_quantized_dir
+from jinfer.weights.hf_quantized_dir import checkpoint_quantization
 from jinfer.weights.quantized_checkpoint import is_quantized_checkpoint, read_meta, save_quantized
 
 # quantization -> the quantization_config keys it reads, with their defaults
 CONFIG_KEYS = {"int8": {}, "w8a8": {"smoothquant": True, "alpha": 0.7, "gptq": True},
                "int4": {"method": "rtn", "group_size": 128, "sym": False}, "gguf": {},
-               **{fmt: {"method": "rtn"} for fmt in FORMATS}}
+               **{fmt: {"method": "rtn"} for fmt in FORMATS},
+               "fp8": {"activations": "fp8"}}
 FP4_METHODS = ("rtn", "awq")
+FP8_ACTIVATIONS = ("fp8", "float")  # quantization_config["activations"] of "fp8"
 
 
 def check_config(quantization: str | None, config: dict | None) -> dict:
@@ -65,6 +74,9 @@ def check_config(quantization: str | None, config: dict | None) -> dict:
                            f"quantization_config: {key!r} is not an option of quantization="
                            f"{quantization!r} (options: {', '.join(known) or 'none'})")
   out = {**known, **(config or {})}
+  if quantization == "fp8" and out["activations"] not in FP8_ACTIVATIONS:
+    raise ParameterError("quantization_config", f"quantization_config: activations must be one "
+                         f"of {', '.join(FP8_ACTIVATIONS)}, got {out['activations']!r}")
   if quantization == "int4":
     if out["method"] not in METHODS:
       raise ParameterError("quantization_config", f"quantization_config: method must be one of "
@@ -102,22 +114,26 @@ def load(config: EngineConfig, model: str, dtype, *, load_tokenizer: bool = True
   """`load_model` for `config`'s quantization, its options checked before anything loads:
   (config, params, tokenizer, engine config). "gguf" keeps a GGUF file's blocks quantized. A
   checkpoint quantized already (AWQ, GPTQ, or saved by `save`) runs as it was quantized: the
-  engine config returned says so, and asking for another quantization is an error."""
+  engine config returned says so, with the options it was saved with, and asking for another
+  quantization is an error."""
   config = default_quantization(config, model, jax.default_backend())
   m = config.model
   check_config(m.quantization, m.quantization_config)
   if m.quantization == "gguf" and not is_gguf(model):
     raise ParameterError("quantization", f"quantization='gguf' keeps a GGUF file's blocks "
                                          f"quantized; {model!r} is not a .gguf file")
-  own = None
+  own, own_config = None, None
   if os.path.isdir(model):
-    own = (read_meta(model)["quantization"] if is_quantized_checkpoint(model)
-           else "int4" if is_quantized_dir(model) else None)
+    if is_quantized_checkpoint(model):
+      meta = read_meta(model)
+      own, own_config = meta["quantization"], meta.get("quantization_config") or None
+    elif is_quantized_dir(model):
+      own, own_config = checkpoint_quantization(model)
   if own is not None:
     if m.quantization not in (None, own):
       raise ParameterError("quantization", f"{model} holds weights quantized as {own!r}; it "
                                            f"cannot run as quantization={m.quantization!r}")
-    config = config.replace(quantization=own, quantization_config=None)
+    config = config.replace(quantization=own, quantization_config=own_config)
   model_config, params, tokenizer = load_model(model, dtype, load_tokenizer=load_tokenizer,
                                                keep_gguf_quantized=m.quantization == "gguf")
   return model_config, params, tokenizer, config
@@ -146,11 +162,20 @@ def calibrated(quantization: str | None, options: dict) -> bool:
 def quantize_weights(config: ModelConfig, params: dict, quantization: str | None,
                      options: dict, *, int8_transposed: bool, tokenizer=None) -> dict:
   """`params` as `quantization` runs them (`options`: `check_config`'s). Params a checkpoint
-  brought quantized are left as they are."""
+  brought quantized keep their values; per-channel ones are laid out as this engine's matmul
+  reads them (`int8_transposed`), exactly."""
   done = lambda x: isinstance(x, (QArray, GroupwiseArray))
-  if quantization in (None, "gguf") or any(map(done, jax.tree.leaves(params, is_leaf=done))):
+  if quantization in (None, "gguf"):
     return params
-  kernels, declared = linear_kernels(config, int8_transposed), linear_kernels(config)
+  kernels = linear_kernels(config, int8_transposed)
+  if any(map(done, jax.tree.leaves(params, is_leaf=done))):
+    return jax.tree.map(lambda w, k: relayout(w, k[3]) if isinstance(w, QArray) else w, params,
+                        kernels, is_leaf=done)
+  if quantization == "fp8" and config.moe_layer_ids:
+    raise ParameterError("quantization", "quantization='fp8' runs dense models; MoE experts "
+                         "have no float8 grouped matmul yet (use int8, w8a8 or int4)")
+  declared = linear_kernels(config)
+  fmt = "fp8" if quantization == "fp8" else "int8"
   calibrates = calibrated(quantization, options)
   tokens = calibration_tokens(_calibration(tokenizer)) if calibrates else None
   # Gemma's norms scale by 1 + their param: scales fold into that.
@@ -168,9 +193,10 @@ def quantize_weights(config: ModelConfig, params: dict, quantization: str | None
     if quantization in FORMATS:
       params = quantize_model(params, declared, method=options["method"], fmt=quantization,
                               **(calibrate() if calibrates else {}))
-    # What is still float among the linear kernels goes int8 (for int4: the embedding / head).
-    return jax.tree.map(lambda w, k: w if k is None or done(w) else quantize(w, *k), params,
-                        kernels, is_leaf=done)
+    # What is still float among the linear kernels goes int8 (for int4: the embedding / head),
+    # or for fp8 the decoder layers' (stacked) kernels fp8 and the embedding / head int8.
+    return jax.tree.map(lambda w, k: w if k is None or done(w) else quantize(
+        w, *k, fmt=fmt if w.ndim > k[0] + k[1] else "int8"), params, kernels, is_leaf=done)
 
   if not calibrates:
     return run(params)

@@ -10,7 +10,9 @@ from jax.sharding import Mesh
 # (W8A16). "w8a8": activations quantized per token too, int32 accumulation. "int4": 4-bit
 # group-wise weights (W4A16; see jinfer/quant/). "mxfp4" / "nvfp4": 4-bit micro-float weights,
 # the group-wise codebook form. "gguf": a GGUF file's blocks kept quantized.
-QUANTIZATIONS = (None, "int8", "w8a8", "int4", "mxfp4", "nvfp4", "gguf")
+# "fp8": float8 e4m3 weights per output channel, activations float8 per token (vLLM's
+# FP8-dynamic) or float (W8A16-FP8, `fp8_activations=False`).
+QUANTIZATIONS = (None, "int8", "w8a8", "int4", "mxfp4", "nvfp4", "gguf", "fp8")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,6 +27,7 @@ class KernelOptions:
   grouped_matmul: str = "xla"  # grouped_matmul backend: MoE experts
   interpret: bool = False  # Pallas kernels in interpret mode (CPU testing)
   quantization: str | None = None  # one of QUANTIZATIONS
+  fp8_activations: bool = True  # "fp8": activations float8 per token (else float)
   # Quantized linear kernels stored outputs first, `[out..., in...]`: XLA:CPU's integer GEMM
   # reads that layout faster at a few rows (one SmolLM2 stack at 2 rows: ~17 -> ~13 ms on a
   # 2-core box; the same at 64). Set where the "xla" matmul runs on one device.
@@ -42,4 +45,8 @@ class KernelOptions:
 
   @property
   def matmul_mode(self) -> str:
-    return "w8a8" if self.quantization == "w8a8" else "w8a16"
+    """Whether activations are quantized too ("w8a8": int8 or float8 per token, as the
+    weights' dtype says) or stay float ("w8a16")."""
+    quantized = self.quantization == "w8a8" or (self.quantization == "fp8" and
+                                                self.fp8_activations)
+    return "w8a8" if quantized else "w8a16"

@@ -61,22 +61,24 @@ from jinfer.parallel.attention import paged_attention
 from jinfer.parallel.linear import int8_specs, tensor_parallel_matmul
 from jinfer.parallel.sharding import group_split
 from pallas_kernels import AttentionMetadata, dense_matmul, groupwise_matmul, int8_matmul
+from pallas_kernels.fp8_matmul import FP8, fp8_matmul
 
 NO_WINDOW = 1 << 30  # a per-layer window that never excludes a key
 # A quantized tied LM head keeps float activations even under W8A8: rounding the final hidden
 # state per token cost W8A8 another point of perplexity on the pydoc text (+5.4% vs +4.4%).
 HEAD_MODE = "w8a16"
-# Quantizations whose float-shaped kernels become `QArray`s: int4 keeps the LM head int8.
-INT8_KERNELS = ("int8", "w8a8", "int4", "mxfp4", "nvfp4")
+# Quantizations whose float-shaped kernels become `QArray`s: int4, fp8 and the 4-bit micro-floats
+# keep the LM head int8.
+INT8_KERNELS = ("int8", "w8a8", "int4", "fp8", "mxfp4", "nvfp4")
 
 
 class Linear(nn.Module):
   """y = x @ kernel over the leading `n_in` kernel axes. The one place weights multiply.
 
-  Quantized, the kernel is a `QArray` (int8 values, a float scale per output channel) and the
-  product goes through the int8 matmul kernel, or a `GroupwiseArray` (int4 or int8 values with a
-  scale and offset per group of inputs, or 4-bit codes into a table with a scale per group,
-  flattened to [K, N]) through the group-wise one.
+  Quantized, the kernel is a `QArray` (int8 or float8 values, a float scale per output channel)
+  and the product goes through the int8 or the float8 matmul, or a `GroupwiseArray` (int4 or
+  int8 values with a scale and offset per group of inputs, or 4-bit codes into a table with a
+  scale per group, flattened to [K, N]) through the group-wise one.
   """
   shape: tuple[int, ...]
   axes: tuple[str, ...]
@@ -91,7 +93,10 @@ class Linear(nn.Module):
     (jinfer/models/lora.py); the adapters stay float over a quantized kernel."""
     out_shape = self.shape[self.n_in:]
     n_out = len(out_shape)
-    if self.kernels.quantization in INT8_KERNELS:
+    # A kernel a checkpoint left float (an lm_head outside its quantized layers) stays float.
+    stored = (self.get_variable("params", "kernel") if self.has_variable("params", "kernel")
+              else None)
+    if self.kernels.quantization in INT8_KERNELS and not isinstance(stored, jax.Array):
       flip = self.kernels.int8_transposed
       init = lambda _, shape, dtype: QArray(
           values=jnp.zeros(out_shape + shape[:self.n_in] if flip else shape, jnp.int8),
@@ -110,7 +115,7 @@ class Linear(nn.Module):
       else:
         y = _groupwise(x.reshape(-1, k), w, self.kernels).reshape(lead + out_shape)
     elif isinstance(w, QArray):
-      mm = functools.partial(_int8, mode=self.kernels.matmul_mode, kernels=self.kernels,
+      mm = functools.partial(_per_channel, mode=self.kernels.matmul_mode, kernels=self.kernels,
                              transposed=w.transposed)
       if mesh is not None:  # the kernel per shard (jinfer/parallel/linear.py)
         ins, outs, w_spec, s_spec = int8_specs(self.axes, self.n_in, w.transposed)
@@ -423,11 +428,16 @@ class CausalLM(nn.Module):
     return logits, (x if return_hidden else None), kv_cache
 
 
-def _int8(x: jax.Array, values: jax.Array, scale: jax.Array, *, mode: str,
-          kernels: KernelOptions, transposed: bool) -> jax.Array:
-  """x [M, K] @ values (K x N, or N x K `transposed`; any shape of that size) -> [M, N]."""
+def _per_channel(x: jax.Array, values: jax.Array, scale: jax.Array, *, mode: str,
+                 kernels: KernelOptions, transposed: bool) -> jax.Array:
+  """x [M, K] @ values (K x N, or N x K `transposed`; any shape of that size) -> [M, N], by
+  the matmul of the values' dtype: float8's is XLA's float8 dot on every platform (the
+  `reference` backend stays the reference)."""
   k = x.shape[1]
   w = values.reshape((-1, k) if transposed else (k, -1))
+  if w.dtype == FP8:
+    return fp8_matmul(x, w, scale.reshape(-1), mode=mode, transpose_w=transposed,
+                      backend="reference" if kernels.matmul == "reference" else "xla")
   return int8_matmul(x, w, scale.reshape(-1), mode=mode, backend=kernels.matmul,
                      interpret=kernels.interpret, transpose_w=transposed)
 
@@ -467,7 +477,7 @@ def _tied_head(x: jax.Array, embed, kernels: KernelOptions) -> jax.Array:
   if isinstance(embed, GroupwiseArray):  # stored [K=E, N=V]
     return _groupwise(x, embed, kernels)
   if isinstance(embed, QArray):
-    mm = functools.partial(_int8, mode=HEAD_MODE, kernels=kernels, transposed=True)
+    mm = functools.partial(_per_channel, mode=HEAD_MODE, kernels=kernels, transposed=True)
     if kernels.mesh is None:
       return mm(x, embed.values, embed.scale)
     ins, outs, w_spec, s_spec = int8_specs(("vocab", "embed"), 1, True)

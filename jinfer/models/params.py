@@ -8,6 +8,7 @@ import jax
 from flax import struct
 
 from jinfer.quant.groupwise import GroupwiseArray
+from jinfer.quant.qarray import QArray
 
 default_init = nn.initializers.normal(0.02)
 
@@ -24,14 +25,15 @@ class LinearKernel(nn.LogicallyPartitioned):
 
 
 def kernel(mod: nn.Module, name: str, init, *args):
-  """`mod.param(name, init, *args)`, except that params holding a group-wise quantized kernel
-  are taken as stored. Their shapes (bits, group size, packing) come from the checkpoint or the
-  quantizer, not from the layer, so flax's check of the stored shapes against `init`'s does not
-  apply; the group-wise matmuls check them against their input instead."""
+  """`mod.param(name, init, *args)`, except that params holding a quantized kernel are taken as
+  stored. Their shapes (bits, group size, packing; a per-channel kernel's layout, inputs or
+  outputs first) come from the checkpoint or the quantizer, not from the layer, so flax's check
+  of the stored shapes against `init`'s does not apply; the matmuls check them against their
+  input instead."""
   if mod.has_variable("params", name):
     stored = mod.get_variable("params", name)
-    is_gw = lambda x: isinstance(x, GroupwiseArray)
-    if any(map(is_gw, jax.tree.leaves(stored, is_leaf=is_gw))):
+    quantized = lambda x: isinstance(x, (GroupwiseArray, QArray))
+    if any(map(quantized, jax.tree.leaves(stored, is_leaf=quantized))):
       return stored
   return mod.param(name, init, *args)
 

@@ -18,7 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinfer.config import ModelConfig
+from jinfer.weights.channel_tensor import ChannelTensor
 from jinfer.weights.groupwise_tensor import GroupwiseTensor
+
+# Weights a checkpoint keeps quantized: stacked and placed as they are, never through float.
+_QUANTIZED = (GroupwiseTensor, ChannelTensor)
 
 
 class WeightError(ValueError):
@@ -49,6 +53,8 @@ def hf_to_params(config: ModelConfig, get: Callable[[str], np.ndarray], *, dtype
       raise WeightError(f"{source}: missing tensor {name!r}") from None
     if isinstance(arr, GroupwiseTensor):  # HF [..., N, K] held as [..., K, N]
       return _expect(arr, shape[:-2] + shape[:-3:-1], name, source)
+    if isinstance(arr, ChannelTensor):  # held as HF stores it
+      return _expect(arr, shape, name, source)
     return _expect(np.asarray(arr), shape, name, source)
 
   def plain(tensors: list) -> list[Fetch]:
@@ -87,11 +93,11 @@ def hf_to_params(config: ModelConfig, get: Callable[[str], np.ndarray], *, dtype
     of the stack written straight into its slot; one fetch at a time is staged on the host."""
     tree: dict = {}
     for fetch in fetches:
-      arrays: dict[tuple[str, ...], np.ndarray | list[GroupwiseTensor]] = {}
+      arrays: dict[tuple[str, ...], np.ndarray | list[GroupwiseTensor | ChannelTensor]] = {}
       for j, i in enumerate(layer_ids):
         for path, w in fetch(i).items():
           a = arrays.get(path)
-          if isinstance(w, GroupwiseTensor) and not isinstance(a, np.ndarray):
+          if isinstance(w, _QUANTIZED) and not isinstance(a, np.ndarray):
             arrays.setdefault(path, []).append(w)
             continue
           # A float layer among group-wise ones (a GGUF file may store a few layers as F16):
@@ -103,12 +109,12 @@ def hf_to_params(config: ModelConfig, get: Callable[[str], np.ndarray], *, dtype
           elif a is None:
             arrays[path] = np.empty((len(layer_ids),) + w.shape, host)
           a = arrays[path]
-          a[j] = w.dequantize().reshape(a.shape[1:]) if isinstance(w, GroupwiseTensor) else w
+          a[j] = w.dequantize().reshape(a.shape[1:]) if isinstance(w, _QUANTIZED) else w
       for path, a in arrays.items():
         node = tree
         for key in (prefix + path)[:-1]:
           node = node.setdefault(key, {})
-        node[(prefix + path)[-1]] = (GroupwiseTensor.stack(a).to_device() if isinstance(a, list)
+        node[(prefix + path)[-1]] = (type(a[0]).stack(a).to_device() if isinstance(a, list)
                                      else jnp.asarray(a, dtype=dtype))
     return tree
 
@@ -133,19 +139,26 @@ def hf_to_params(config: ModelConfig, get: Callable[[str], np.ndarray], *, dtype
   return params
 
 
-def _to_layout(w: np.ndarray | GroupwiseTensor, to: Callable | None):
+def _to_layout(w: np.ndarray | GroupwiseTensor | ChannelTensor, to: Callable | None):
   """An HF tensor in our layout. A group-wise weight already is: it is held [K, N], which is
-  our kernel `[in..., out...]` flattened, and stays so (the model reads it flattened)."""
+  our kernel `[in..., out...]` flattened, and stays so (the model reads it flattened). A
+  per-channel one moves its values as `to` moves a float kernel."""
   if isinstance(w, GroupwiseTensor):
     return w
+  if isinstance(w, ChannelTensor):
+    return w.laid_out(to)
   return (to or np.asarray)(w)
 
 
-def _placed(w: np.ndarray | GroupwiseTensor, to: Callable | None, dtype):
+def _placed(w: np.ndarray | GroupwiseTensor | ChannelTensor, to: Callable | None, dtype):
   """One unstacked tensor, on the device in our layout (group-wise ones stay quantized; an
   embedding's is [K=E, N=V], the tied head's view)."""
   if isinstance(w, GroupwiseTensor):
     return w.to_device()
+  if isinstance(w, ChannelTensor):
+    if to is None:
+      raise WeightError("an embedding quantized per channel is not read (only linear layers)")
+    return w.laid_out(to).to_device()
   return jnp.asarray(_to_layout(w, to), dtype=dtype)
 
 
@@ -182,6 +195,9 @@ def _moe_fetches(c: ModelConfig, get: Callable, t: Callable, plain: Callable,
     """One expert's HF [N, K] weight as our [K, N] float kernel (a per-expert layout stacks
     experts here, so quantized ones are dequantized; the fused layout keeps them quantized)."""
     w = t(name, shape)
+    if isinstance(w, ChannelTensor):
+      raise WeightError(f"{source}: tensor {name!r}: MoE experts quantized per channel are not "
+                        f"read yet (dense layers are)")
     return w.dequantize() if isinstance(w, GroupwiseTensor) else w.T
 
   def experts(i: int) -> dict:
