@@ -201,6 +201,9 @@ def main():
   for name in args.modes.split(";" if ";" in args.modes else ","):
     print(f"{name} ...", flush=True)
     report["modes"][name], texts = measure(args.model, mode_options(name), args, texts)
+    if args.out:  # each mode as it is measured: a long run keeps what it has
+      with open(args.out, "w") as fh:
+        json.dump(report, fh, indent=2)
   emit(report, args.out)
   if args.markdown:
     print(markdown(report))

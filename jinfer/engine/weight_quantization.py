@@ -14,6 +14,10 @@ weights, calibrated on what.
            their embedding at 6-8 bits
   "gguf"   a GGUF file's blocks as stored: the loader keeps them, nothing to do here. The
            default for a GGUF file on a GPU (`default_quantization`)
+  "mixed"  each decoder layer's linears (`"granularity": "layer"`) or each linear
+           (`"linear"`) int4 (by `method`), int8 or float, picked by their measured
+           sensitivity to meet `{"bits": 5.5}` (average bits per weight, scales counted) or
+           `{"max_ppl_increase": 0.02}` (on the calibration text); see jinfer/quant/mixed.py
 
 Calibration (AWQ, GPTQ, SmoothQuant) runs the float model over the English text shipped with
 `jinfer.quant` and prints its progress and time, once per machine: its result is kept in the
@@ -31,8 +35,9 @@ from jinfer.engine.engine_config import EngineConfig
 from jinfer.errors import ParameterError
 from jinfer.loader import load_model
 from jinfer.models import CausalLM, linear_kernels
-from jinfer.quant.calibration import calibration_tokens
+from jinfer.quant.calibration import calibrate as calibrate_stats, calibration_tokens
 from jinfer.quant.groupwise import GroupwiseArray
+from jinfer.quant.mixed import GRANULARITIES, bits_range, mixed_quantize
 from jinfer.quant.model import METHODS, quantize_model, smooth_model
 from jinfer.quant.qarray import QArray, quantize
 from jinfer.weights.builtin import RANDOM_MODELS, is_builtin
@@ -41,7 +46,11 @@ from jinfer.weights.quantized_checkpoint import is_quantized_checkpoint, read_me
 
 # quantization -> the quantization_config keys it reads, with their defaults
 CONFIG_KEYS = {"int8": {}, "w8a8": {"smoothquant": True, "alpha": 0.7, "gptq": True},
-               "int4": {"method": "rtn", "group_size": 128, "sym": False}, "gguf": {}}
+               "int4": {"method": "rtn", "group_size": 128, "sym": False}, "gguf": {},
+               "mixed": {"bits": None, "max_ppl_increase": None, "method": "awq",
+                         "group_size": 128, "sym": False, "granularity": "layer"}}
+# The budgets of "mixed", exactly one of which is given.
+BUDGETS = ("bits", "max_ppl_increase")
 
 
 def check_config(quantization: str | None, config: dict | None) -> dict:
@@ -57,7 +66,7 @@ def check_config(quantization: str | None, config: dict | None) -> dict:
                            f"quantization_config: {key!r} is not an option of quantization="
                            f"{quantization!r} (options: {', '.join(known) or 'none'})")
   out = {**known, **(config or {})}
-  if quantization == "int4":
+  if quantization in ("int4", "mixed"):
     if out["method"] not in METHODS:
       raise ParameterError("quantization_config", f"quantization_config: method must be one of "
                            f"{', '.join(METHODS)}, got {out['method']!r}")
@@ -65,7 +74,28 @@ def check_config(quantization: str | None, config: dict | None) -> dict:
     if isinstance(g, bool) or not isinstance(g, int) or g < 2 or g & (g - 1):
       raise ParameterError("quantization_config", f"quantization_config: group_size must be a "
                            f"power of two >= 2, got {g!r}")
+  if quantization == "mixed":
+    _check_mixed(out)
   return out
+
+
+def _check_mixed(options: dict) -> None:
+  given = [k for k in BUDGETS if options[k] is not None]
+  if len(given) != 1:
+    raise ParameterError("quantization_config", f"quantization_config: quantization='mixed' "
+                         f"takes exactly one of {' or '.join(BUDGETS)}, got "
+                         f"{' and '.join(given) or 'neither'}")
+  number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+  bits, ppl = options["bits"], options["max_ppl_increase"]
+  if bits is not None and not (number(bits) and 4 < bits <= 32):
+    raise ParameterError("quantization_config", f"quantization_config: bits must be a number "
+                         f"in (4, 32] (average bits per weight), got {bits!r}")
+  if ppl is not None and not (number(ppl) and ppl > 0):
+    raise ParameterError("quantization_config", f"quantization_config: max_ppl_increase must "
+                         f"be a positive number (0.02: +2% perplexity), got {ppl!r}")
+  if options["granularity"] not in GRANULARITIES:
+    raise ParameterError("quantization_config", f"quantization_config: granularity must be one "
+                         f"of {', '.join(GRANULARITIES)}, got {options['granularity']!r}")
 
 
 def is_gguf(model: str) -> bool:
@@ -133,8 +163,12 @@ def quantize_weights(config: ModelConfig, params: dict, quantization: str | None
   if quantization in (None, "gguf") or any(map(done, jax.tree.leaves(params, is_leaf=done))):
     return params
   kernels, declared = linear_kernels(config, int8_transposed), linear_kernels(config)
+  if quantization == "mixed":
+    _check_mixed_model(config, params, declared, options)
+  # Mixed precision always runs the model over the calibration text: its sensitivity pass.
   calibrates = ((quantization == "w8a8" and options["smoothquant"])
-                or (quantization == "int4" and options["method"] != "rtn"))
+                or (quantization == "int4" and options["method"] != "rtn")
+                or quantization == "mixed")
   tokens = calibration_tokens(_calibration(tokenizer)) if calibrates else None
   # Gemma's norms scale by 1 + their param: scales fold into that.
   calibrate = lambda: dict(model=CausalLM(config), calibration=tokens,
@@ -149,13 +183,44 @@ def quantize_weights(config: ModelConfig, params: dict, quantization: str | None
                               group_size=options["group_size"], sym=options["sym"],
                               **(calibrate() if calibrates else {}))
     # What is still float among the linear kernels goes int8 (for int4: the embedding / head).
-    return jax.tree.map(lambda w, k: w if k is None or done(w) else quantize(w, *k), params,
-                        kernels, is_leaf=done)
+    to_int8 = lambda params, kernels: jax.tree.map(
+        lambda w, k: w if k is None or done(w) else quantize(w, *k), params, kernels, is_leaf=done)
+    if quantization == "mixed":  # its layers as allocated, the rest (the embedding) int8
+      rest = lambda tree: {k: v for k, v in tree.items() if k != "layers"}
+      return {**to_int8(rest(params), rest(kernels)), "layers": _mixed(params)["layers"]}
+    return to_int8(params, kernels)
+
+  def _mixed(params):
+    model, k = CausalLM(config), quantization_cache.key(
+        config, params, "mixed-sensitivity", {n: options[n] for n in options if n not in BUDGETS},
+        tokens, int8_transposed)
+    return mixed_quantize(
+        params, declared, kernels, model=model, calibration=tokens,
+        **{n: options[n] for n in ("method", "group_size", "sym", "granularity", *BUDGETS)},
+        sensitivity_cache=lambda compute: quantization_cache.cached_array(k, compute),
+        calibrate=lambda **kw: calibrate_stats(model, params, declared, tokens, **kw),
+        norm_offset=1.0 if config.gemma_norm else 0.0)
 
   if not calibrates:
     return run(params)
   key = quantization_cache.key(config, params, quantization, options, tokens, int8_transposed)
   return quantization_cache.cached(key, quantization, options, lambda: run(params))
+
+
+def _check_mixed_model(config: ModelConfig, params: dict, declared: dict, options: dict) -> None:
+  """What `check_config` cannot see without the model: its feed-forward kind and the bits its
+  shapes allow."""
+  if any(config.moe_layers):
+    raise ParameterError("quantization", "quantization='mixed' allocates dense decoder layers; "
+                         "this model has MoE layers (use int4 or int8)")
+  bits = options["bits"]
+  if bits is not None:
+    lo, hi = bits_range(params, declared, options["group_size"])
+    if not lo <= bits <= hi:
+      raise ParameterError("quantization_config", f"quantization_config: bits {bits} is outside "
+                           f"what this model's layers can take: {lo:.3f} (all int4 in groups of "
+                           f"up to {options['group_size']}, float32 scale and offset per group) "
+                           f"to {hi:.3f} (all float)")
 
 
 def _calibration(tokenizer):

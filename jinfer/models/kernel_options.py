@@ -9,7 +9,8 @@ from jax.sharding import Mesh
 # None: float weights. "int8": int8 weights with per-output-channel scales, float activations
 # (W8A16). "w8a8": activations quantized per token too, int32 accumulation. "int4": 4-bit
 # group-wise weights (W4A16; see jinfer/quant/). "gguf": a GGUF file's blocks kept quantized.
-QUANTIZATIONS = (None, "int8", "w8a8", "int4", "gguf")
+# "mixed": each layer int4, int8 (W8A16) or float by measured sensitivity (jinfer/quant/mixed.py).
+QUANTIZATIONS = (None, "int8", "w8a8", "int4", "gguf", "mixed")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -90,7 +90,9 @@ class Linear(nn.Module):
     (jinfer/models/lora.py); the adapters stay float over a quantized kernel."""
     out_shape = self.shape[self.n_in:]
     n_out = len(out_shape)
-    if self.kernels.quantization in INT8_KERNELS:
+    stored = self.get_variable("params", "kernel") if self.has_variable("params", "kernel") else None
+    # Mixed precision stores int8 kernels beside float ones: a stored `QArray` says which.
+    if self.kernels.quantization in INT8_KERNELS or isinstance(stored, QArray):
       flip = self.kernels.int8_transposed
       init = lambda _, shape, dtype: QArray(
           values=jnp.zeros(out_shape + shape[:self.n_in] if flip else shape, jnp.int8),
@@ -525,7 +527,7 @@ def lm_head(params: dict, config: ModelConfig, kernels: KernelOptions, x: jax.Ar
 
 
 def _embedding_init(kernels: KernelOptions, key, shape, dtype):
-  if kernels.quantization in INT8_KERNELS:
+  if kernels.quantization in INT8_KERNELS + ("mixed",):  # mixed: int8 as under int4
     return QArray(values=jnp.zeros(shape, jnp.int8), scale=jnp.ones(shape[:1], jnp.float32),
                   n_in=1, n_out=1, transposed=True)
   return _init(key, shape, dtype)
