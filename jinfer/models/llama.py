@@ -93,7 +93,7 @@ class Linear(nn.Module):
     stored = self.get_variable("params", "kernel") if self.has_variable("params", "kernel") else None
     # Mixed precision stores int8 kernels beside float ones: a stored `QArray` says which.
     if self.kernels.quantization in INT8_KERNELS or isinstance(stored, QArray):
-      flip = self.kernels.int8_transposed
+      flip = stored.transposed if isinstance(stored, QArray) else self.kernels.int8_transposed
       init = lambda _, shape, dtype: QArray(
           values=jnp.zeros(out_shape + shape[:self.n_in] if flip else shape, jnp.int8),
           scale=jnp.ones(out_shape, jnp.float32), n_in=self.n_in, n_out=n_out, transposed=flip)
