@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 from jinfer import LLM, SamplingParams
-from jinfer.engine import weight_quantization
-from jinfer.engine.engine import LLMEngine
 from jinfer.engine.engine_config import EngineConfig
 from jinfer.errors import ParameterError
+from jinfer.loader import load_model
 from jinfer.models import CausalLM, layer_runs, linear_kernels, param_shapes
 from jinfer.quant import allocation, mixed
 from jinfer.quant.allocation import FLOAT, INT4, INT8
@@ -23,7 +22,7 @@ from jinfer.quant.groupwise import GroupwiseArray
 from jinfer.quant.qarray import QArray, quantize
 from jinfer.weights.quantized_checkpoint import load_quantized
 from tests.engine_fixtures import (SMALL_POOL, CompileCounter, assert_batch_matches, make_engine,
-                                   prefix_sharing_prompts, run_tokens, tiny_loaded)
+                                   prefix_sharing_prompts, run_tokens, tiny_hf_dir)
 
 _is_q = lambda x: isinstance(x, (QArray, GroupwiseArray))
 
@@ -121,39 +120,38 @@ def _saved_bits(path: str, config) -> float:
   return 8 * stored / weights
 
 
-@pytest.mark.slow  # a sensitivity pass and three engines of a 4-layer model
-def test_mixed_meets_its_budget_and_saves_and_loads_back(tmp_path, monkeypatch, smollm2_gguf):
+@pytest.mark.slow  # a sensitivity pass and five engines of a 4-layer model
+def test_mixed_meets_its_budget_and_saves_and_loads_back(tmp_path, monkeypatch):
   monkeypatch.setenv("JINFER_QUANTIZATION_CACHE_DIR", str(tmp_path / "cache"))
-  config, params, tok = tiny_loaded(str(tmp_path / "tiny"), smollm2_gguf, num_layers=4)
+  model = tiny_hf_dir(str(tmp_path / "tiny"), num_layers=4)
+  config, params, _ = load_model(model)
   declared = linear_kernels(config)
   lo, hi = mixed.bits_range(params, declared, 128)
   # The largest step one layer's upgrade takes, in average bits: how far under a budget the
   # allocation may stop.
-  cells = mixed.cell_bytes(mixed.kernel_shapes(params, declared), 128).sum(1)  # [3]
-  weights = sum(int(np.prod(s)) for s, _, _ in mixed.kernel_shapes(params, declared))
-  step = 8 * (cells[FLOAT] - cells[INT8]) / weights
-  prompts = [[5, 9, 33, 2, 7], [40, 41, 42, 43, 44, 45, 46]]
+  shapes = mixed.kernel_shapes(params, declared)
+  cells = mixed.cell_bytes(shapes, 128).sum(1)  # [3] one layer's bytes per precision
+  step = 8 * (cells[FLOAT] - cells[INT8]) / sum(int(np.prod(s)) for s, _, _ in shapes)
+  prompts = [[0, 5, 9, 33, 2, 7], [0] + list(range(10, 30))]
   sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
   options = dict(warmup=False, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                  scan_layers=True)
-  for bits in (lo, 6.0, 12.0):
+  for bits in (lo, 7.0, 20.0):
     qc = {"bits": bits, "method": "rtn"}
-    engine = LLMEngine.from_parts(config, params, tok, config=EngineConfig.of(
-        quantization="mixed", quantization_config=qc, **options), warmup=False)
+    llm = LLM(model, quantization="mixed", quantization_config=qc, **options)
     path = str(tmp_path / f"saved-{bits}")
-    weight_quantization.save(path, engine.runner.stacked_params, source=str(tmp_path / "tiny"),
-                             quantization="mixed", quantization_config=qc)
+    llm.save_quantized(path)
     got = _saved_bits(path, config)
     assert bits - step - 1e-6 <= got <= bits + 1e-6, (bits, got)
-    if bits == 6.0:  # int4 and int8 layers: runs; back from disk, the same tokens
-      assert len(layer_runs(engine.runner.stacked_params)) > 1
-      want = run_tokens(engine, prompts, sp)
-      _, back = load_quantized(path)
-      again = LLMEngine.from_parts(config, back, tok, config=EngineConfig.of(
-          quantization="mixed", quantization_config=qc, **options), warmup=False)
-      assert layer_runs(back) == layer_runs(engine.runner.stacked_params)
-      assert run_tokens(again, prompts, sp) == want
-  assert lo < 6.0 < 12.0 < hi
+    if bits == 7.0:  # int4 and int8 layers: runs; back from disk as they were
+      runs = layer_runs(llm.engine.runner.stacked_params)
+      assert len(runs) > 1, runs
+      want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+      back = LLM(path, **options)
+      assert back.engine.config.model.quantization == "mixed"
+      assert layer_runs(back.engine.runner.stacked_params) == runs
+      assert [o.outputs[0].token_ids for o in back.generate(prompts, sp, use_tqdm=False)] == want
+  assert lo < 7.0 < 20.0 < hi
 
 
 @pytest.mark.parametrize("qc, says", [

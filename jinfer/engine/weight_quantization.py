@@ -128,15 +128,18 @@ def load(config: EngineConfig, model: str, dtype, *, load_tokenizer: bool = True
   if m.quantization == "gguf" and not is_gguf(model):
     raise ParameterError("quantization", f"quantization='gguf' keeps a GGUF file's blocks "
                                          f"quantized; {model!r} is not a .gguf file")
-  own = None
+  own, own_config = None, None
   if os.path.isdir(model):
-    own = (read_meta(model)["quantization"] if is_quantized_checkpoint(model)
-           else "int4" if is_quantized_dir(model) else None)
+    if is_quantized_checkpoint(model):  # saved by `save`: with the options it was made with
+      meta = read_meta(model)
+      own, own_config = meta["quantization"], meta.get("quantization_config")
+    elif is_quantized_dir(model):
+      own = "int4"
   if own is not None:
     if m.quantization not in (None, own):
       raise ParameterError("quantization", f"{model} holds weights quantized as {own!r}; it "
                                            f"cannot run as quantization={m.quantization!r}")
-    config = config.replace(quantization=own, quantization_config=None)
+    config = config.replace(quantization=own, quantization_config=own_config)
   model_config, params, tokenizer = load_model(model, dtype, load_tokenizer=load_tokenizer,
                                                keep_gguf_quantized=m.quantization == "gguf")
   return model_config, params, tokenizer, config
