@@ -98,6 +98,7 @@ def _forward(config, params, ids, runs):
                                 jnp.arange(len(ids), dtype=jnp.int32))[0])
 
 
+@pytest.mark.slow  # an engine's warmup: ~half a minute of compiles on a 2-core CPU
 def test_a_mixed_engine_is_batch_invariant_and_compiles_nothing_after_warmup(mixed_model):
   config, params, _, tok = mixed_model
   # Scanned only: the runs are what is tested, and the unrolled variant would compile every layer.
