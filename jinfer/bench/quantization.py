@@ -161,6 +161,7 @@ def plot(report: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")  # no display; writes files only
   import matplotlib.pyplot as plt
+  import matplotlib.ticker
   rows, base = report["modes"], _base(report)
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for name, r in rows.items():
@@ -168,6 +169,8 @@ def plot(report: dict, path: str) -> None:
     ax.scatter(x, y, color="tab:red" if name.startswith("mixed") else "tab:blue")
     ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
   ax.set_xscale("log")
+  ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+  ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
   ax.set_xlabel("weight bytes (MiB, log scale)")
   ax.set_ylabel("perplexity increase over float32 (%, mean of the texts)")
   ax.set_title(f"{report['model']}: {', '.join(base['perplexity'])}", fontsize=9)
