@@ -140,7 +140,7 @@ def test_mixed_meets_its_budget_and_saves_and_loads_back(tmp_path, monkeypatch):
   options = dict(warmup=False, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                  scan_layers=True)
   for bits in (lo, 7.0, 20.0):
-    qc = {"bits": bits, "method": "rtn"}
+    qc = {"bits": bits, "method": "rtn", "granularity": "layer"}  # "layer": runs to save
     llm = LLM(model, quantization="mixed", quantization_config=qc, **options)
     path = str(tmp_path / f"saved-{bits}")
     llm.save_quantized(path)

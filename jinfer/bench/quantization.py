@@ -51,6 +51,9 @@ MODES = {  # name -> engine options
     "kv-int8": dict(kv_cache_dtype="int8"),
     "kv-fp8": dict(kv_cache_dtype="fp8"),
     **{f"mixed-{b}": dict(quantization="mixed", quantization_config={"bits": b})
+       for b in (5, 5.5, 6, 7)},  # granularity "linear", the default
+    **{f"mixed-layer-{b}": dict(quantization="mixed",
+                                quantization_config={"bits": b, "granularity": "layer"})
        for b in (5, 5.5, 6, 7)},
 }
 TOPICS = ("assignment", "class", "exceptions")

@@ -14,8 +14,8 @@ weights, calibrated on what.
            their embedding at 6-8 bits
   "gguf"   a GGUF file's blocks as stored: the loader keeps them, nothing to do here. The
            default for a GGUF file on a GPU (`default_quantization`)
-  "mixed"  each decoder layer's linears (`"granularity": "layer"`) or each linear
-           (`"linear"`) int4 (by `method`), int8 or float, picked by their measured
+  "mixed"  each linear across the layers (`"granularity": "linear"`, the default) or
+           each decoder layer's linears (`"layer"`) int4 (by `method`), int8 or float, picked by their measured
            sensitivity to meet `{"bits": 5.5}` (average bits per weight, scales counted) or
            `{"max_ppl_increase": 0.02}` (on the calibration text); see jinfer/quant/mixed.py
 
@@ -48,7 +48,7 @@ from jinfer.weights.quantized_checkpoint import is_quantized_checkpoint, read_me
 CONFIG_KEYS = {"int8": {}, "w8a8": {"smoothquant": True, "alpha": 0.7, "gptq": True},
                "int4": {"method": "rtn", "group_size": 128, "sym": False}, "gguf": {},
                "mixed": {"bits": None, "max_ppl_increase": None, "method": "awq",
-                         "group_size": 128, "sym": False, "granularity": "layer"}}
+                         "group_size": 128, "sym": False, "granularity": "linear"}}
 # The budgets of "mixed", exactly one of which is given.
 BUDGETS = ("bits", "max_ppl_increase")
 

@@ -1,5 +1,8 @@
-"""Mixed precision: each decoder layer's linears (`granularity="layer"`) or each linear across all
-layers (`"linear"`) int4, int8 or float, picked by measured sensitivity to meet a budget.
+"""Mixed precision: each linear across all layers (`granularity="linear"`, the default) or each
+decoder layer's linears (`"layer"`) int4, int8 or float, picked by measured sensitivity to meet
+a budget. "linear" measured better on held-out text for the same bytes (SmolLM2 at 6 bits:
++7.3% perplexity against +9.1%, docs/quantization.md), needs 7 units' measurements instead of
+30, and keeps one stack.
 
 1. Candidates: every stacked linear kernel in its three forms. int4 by `method` (AWQ, GPTQ or
    RTN, as `quantize_model` makes it; AWQ's scales are folded into the float params first, which
@@ -212,7 +215,7 @@ def allocate(c: Candidates, loss_of: Callable[[np.ndarray], float], sens: np.nda
 
 def mixed_quantize(params: dict, kernels: dict, store_kernels: dict, *, model,
                    calibration: Sequence[int], method: str = "awq", group_size: int = 128,
-                   sym: bool = False, granularity: str = "layer", bits: float | None = None,
+                   sym: bool = False, granularity: str = "linear", bits: float | None = None,
                    max_ppl_increase: float | None = None,
                    sensitivity_cache: Callable[[Callable[[], np.ndarray]], np.ndarray] | None = None,
                    calibrate: Callable[..., dict] | None = None, norm_offset: float = 0.0,
