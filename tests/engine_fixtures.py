@@ -44,13 +44,14 @@ def tiny_loaded(path: str, gguf: str, *, seed: int = 0, num_layers: int = 2):
 TINY_DIR_VOCAB = 128
 
 
-def tiny_hf_dir(path: str) -> str:
-  """An HF model directory of a one-layer random Llama over `TINY_DIR_VOCAB` tokens, with a
-  word-level tokenizer (`t0`..`t127`; anything else reads as `t2`): the cheapest model that
-  `LLM(path)` and the command line load like any other."""
+def tiny_hf_dir(path: str, num_layers: int = 1) -> str:
+  """An HF model directory of a one-layer (`num_layers`) random Llama over `TINY_DIR_VOCAB`
+  tokens, with a word-level tokenizer (`t0`..`t127`; anything else reads as `t2`): the
+  cheapest model that `LLM(path)` and the command line load like any other."""
   torch.manual_seed(0)
   config = transformers.LlamaConfig(
-      vocab_size=TINY_DIR_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+      vocab_size=TINY_DIR_VOCAB, hidden_size=32, intermediate_size=64,
+      num_hidden_layers=num_layers,
       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
       bos_token_id=0, eos_token_id=1)
   transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)

@@ -142,6 +142,10 @@ class AbstractEngine:
   def __init__(self, model_config: ModelConfig, config: EngineConfig, devices, platform: str,
                dtype=None, params: dict | None = None):
     dtype = dtype or default_dtype(platform)
+    if config.model.quantization == "mixed":
+      raise ParameterError("quantization", "planning quantization='mixed' is not supported: "
+                           "which layers take which precision is measured on the weights "
+                           "(plan int4 and int8 for its bounds)")
     if config.model.quantization == "gguf" and params is None:
       raise ParameterError("quantization", "planning quantization='gguf' needs the GGUF "
                            "file's blocks: pass the params it loads")

@@ -189,6 +189,10 @@ class EngineConfig:
         raise ParameterError(SPECULATIVE, "a draft model's own KV cache is not handed over "
                              "by kv_transfer_config: decode-side speculation takes 'ngram' or "
                              "'medusa'")
+    if self.model.quantization == "mixed" and (self.parallel.is_parallel or self.lora.enable_lora):
+      raise ParameterError("quantization", "quantization='mixed' runs on one device without LoRA "
+                           "adapters: its layer stack is split into runs of one precision, "
+                           "which the sharding rules and the adapter slots do not follow yet")
     if self.lora.enable_lora:
       if self.kv_transfer is not None:
         raise ParameterError("enable_lora", "LoRA adapters are not handed over by "

@@ -8,7 +8,8 @@ the quantizers' code, so it is stored under a hash of all of them (`key`) in
 `jinfer/weights/quantized_checkpoint.py`. The next load with the same key reads it back instead
 of calibrating; any change to one of the inputs (another checkpoint, an option, a quantizer's
 source) is another key. Round-to-nearest quantizations take less time than hashing the weights
-and are not cached.
+and are not cached. Mixed precision's sensitivities, which do not depend on its budget, are
+kept beside them (`cached_array`), so another budget measures nothing again.
 """
 from __future__ import annotations
 
@@ -87,3 +88,25 @@ def cached(k: str, quantization: str, options: dict, compute: Callable[[], dict]
     log.warning("could not keep the calibrated weights in %s: %s", path, e)
     shutil.rmtree(tmp, ignore_errors=True)
   return params
+
+
+def cached_array(k: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
+  """The array stored under key `k` (`<key>.npy`), else `compute()`'s, stored for the next run."""
+  path = os.path.join(directory(), f"{k}.npy")
+  if os.path.isfile(path):
+    try:
+      out = np.load(path)
+    except (OSError, ValueError) as e:
+      log.warning("quantization cache entry %s unreadable (%s); measuring again", path, e)
+    else:
+      log.info("sensitivities loaded from the quantization cache")
+      return out
+  out = compute()
+  try:
+    os.makedirs(directory(), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}.npy"
+    np.save(tmp, out)
+    os.replace(tmp, path)
+  except OSError as e:
+    log.warning("could not keep the sensitivities in %s: %s", path, e)
+  return out

@@ -19,7 +19,7 @@ from jinfer.config import ModelConfig
 from jinfer.engine import compilation_cache
 from jinfer.engine.speculative.proposer import InStep
 from jinfer.engine.step_input import Buckets, StepInput, empty_step_input, to_step_input
-from jinfer.models import CausalLM, linear_kernels, logical_axes, unstack_layers
+from jinfer.models import CausalLM, layer_runs, linear_kernels, logical_axes, unstack_layers
 from jinfer.models.kernel_options import KernelOptions
 from jinfer.models.kv_groups import KVGroups
 from jinfer.models.lora import lora_targets
@@ -206,7 +206,7 @@ class ModelRunner:
 
     def variant(scan: bool) -> Variant:
       model = CausalLM(config, kernels, dtype=dtype, scan_layers=scan, kv_groups=kv_groups,
-                       unroll_scan=unroll_scan)
+                       unroll_scan=unroll_scan, layer_runs=layer_runs(params) if scan else ())
       return Variant(model, None, jit(model))  # params: `_use_params`
 
     scanned = buckets.token_buckets[-1] > unrolled_max_tokens

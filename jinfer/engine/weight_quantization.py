@@ -25,8 +25,13 @@ weights, calibrated on what.
            channel, as under int4: in fp8 they cost SmolLM2 another 3.6% of perplexity (+6.7%
            against +3.8%, docs/quantization.md). No calibration. Dense models only (no float8
            grouped matmul for MoE experts yet)
+  "mixed"  each linear across the layers (`"granularity": "linear"`, the default) or each
+           decoder layer's linears (`"layer"`) int4 (by `method`), int8 or float, picked by
+           their measured sensitivity to meet `{"bits": 5.5}` (average bits per weight, scales
+           counted) or `{"max_ppl_increase": 0.02}` (on the calibration text); see
+           jinfer/quant/mixed.py
 
-Calibration (AWQ, GPTQ, SmoothQuant) runs the float model over the English text shipped with
+Calibration (AWQ, GPTQ, SmoothQuant, mixed precision's sensitivities) runs the float model over the English text shipped with
 `jinfer.quant` and prints its progress and time, once per machine: its result is kept in the
 quantization cache (`quantization_cache.py`) and the next load reads it back.
 """
@@ -42,9 +47,10 @@ from jinfer.engine.engine_config import EngineConfig
 from jinfer.errors import ParameterError
 from jinfer.loader import load_model
 from jinfer.models import CausalLM, linear_kernels
-from jinfer.quant.calibration import calibration_tokens
+from jinfer.quant.calibration import calibrate as calibrate_stats, calibration_tokens
 from jinfer.quant.groupwise import GroupwiseArray
 from jinfer.quant.microfloat import FORMATS
+from jinfer.quant.mixed import GRANULARITIES, bits_range, mixed_quantize
 from jinfer.quant.model import METHODS, quantize_model, smooth_model
 from jinfer.quant.qarray import QArray, quantize, relayout
 from jinfer.weights.builtin import RANDOM_MODELS, is_builtin
@@ -59,6 +65,10 @@ CONFIG_KEYS = {"int8": {}, "w8a8": {"smoothquant": True, "alpha": 0.7, "gptq": T
                "fp8": {"activations": "fp8"}}
 FP4_METHODS = ("rtn", "awq")
 FP8_ACTIVATIONS = ("fp8", "float")  # quantization_config["activations"] of "fp8"
+               "mixed": {"bits": None, "max_ppl_increase": None, "method": "awq",
+                         "group_size": 128, "sym": False, "granularity": "linear"}}
+# The budgets of "mixed", exactly one of which is given.
+BUDGETS = ("bits", "max_ppl_increase")
 
 
 def check_config(quantization: str | None, config: dict | None) -> dict:
@@ -77,7 +87,7 @@ def check_config(quantization: str | None, config: dict | None) -> dict:
   if quantization == "fp8" and out["activations"] not in FP8_ACTIVATIONS:
     raise ParameterError("quantization_config", f"quantization_config: activations must be one "
                          f"of {', '.join(FP8_ACTIVATIONS)}, got {out['activations']!r}")
-  if quantization == "int4":
+  if quantization in ("int4", "mixed"):
     if out["method"] not in METHODS:
       raise ParameterError("quantization_config", f"quantization_config: method must be one of "
                            f"{', '.join(METHODS)}, got {out['method']!r}")
@@ -88,7 +98,28 @@ def check_config(quantization: str | None, config: dict | None) -> dict:
   if quantization in FORMATS and out["method"] not in FP4_METHODS:
     raise ParameterError("quantization_config", f"quantization_config: method must be one of "
                          f"{', '.join(FP4_METHODS)} for {quantization}, got {out['method']!r}")
+  if quantization == "mixed":
+    _check_mixed(out)
   return out
+
+
+def _check_mixed(options: dict) -> None:
+  given = [k for k in BUDGETS if options[k] is not None]
+  if len(given) != 1:
+    raise ParameterError("quantization_config", f"quantization_config: quantization='mixed' "
+                         f"takes exactly one of {' or '.join(BUDGETS)}, got "
+                         f"{' and '.join(given) or 'neither'}")
+  number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+  bits, ppl = options["bits"], options["max_ppl_increase"]
+  if bits is not None and not (number(bits) and 4 < bits <= 32):
+    raise ParameterError("quantization_config", f"quantization_config: bits must be a number "
+                         f"in (4, 32] (average bits per weight), got {bits!r}")
+  if ppl is not None and not (number(ppl) and ppl > 0):
+    raise ParameterError("quantization_config", f"quantization_config: max_ppl_increase must "
+                         f"be a positive number (0.02: +2% perplexity), got {ppl!r}")
+  if options["granularity"] not in GRANULARITIES:
+    raise ParameterError("quantization_config", f"quantization_config: granularity must be one "
+                         f"of {', '.join(GRANULARITIES)}, got {options['granularity']!r}")
 
 
 def is_gguf(model: str) -> bool:
@@ -154,9 +185,10 @@ def save(path: str, params: dict, *, source: str, quantization: str | None,
 
 def calibrated(quantization: str | None, options: dict) -> bool:
   """Whether `quantization` (`options`: `check_config`'s) calibrates on text: SmoothQuant,
-  AWQ and GPTQ do; round-to-nearest does not."""
+  AWQ, GPTQ and mixed precision do; round-to-nearest does not."""
   return ((quantization == "w8a8" and options["smoothquant"])
-          or ((quantization == "int4" or quantization in FORMATS) and options["method"] != "rtn"))
+          or ((quantization == "int4" or quantization in FORMATS) and options["method"] != "rtn")
+          or quantization == "mixed")  # its sensitivity pass runs the model over the text
 
 
 def quantize_weights(config: ModelConfig, params: dict, quantization: str | None,
@@ -169,6 +201,8 @@ def quantize_weights(config: ModelConfig, params: dict, quantization: str | None
     return params
   kernels = linear_kernels(config, int8_transposed)
   if any(map(done, jax.tree.leaves(params, is_leaf=done))):
+    if quantization == "mixed":  # runs of layers as saved; each int8 kernel says its layout
+      return params
     return jax.tree.map(lambda w, k: relayout(w, k[3]) if isinstance(w, QArray) else w, params,
                         kernels, is_leaf=done)
   if quantization == "fp8" and config.moe_layer_ids:
@@ -176,6 +210,8 @@ def quantize_weights(config: ModelConfig, params: dict, quantization: str | None
                          "have no float8 grouped matmul yet (use int8, w8a8 or int4)")
   declared = linear_kernels(config)
   fmt = "fp8" if quantization == "fp8" else "int8"
+  if quantization == "mixed":
+    _check_mixed_model(config, params, declared, options)
   calibrates = calibrated(quantization, options)
   tokens = calibration_tokens(_calibration(tokenizer)) if calibrates else None
   # Gemma's norms scale by 1 + their param: scales fold into that.
@@ -195,13 +231,45 @@ def quantize_weights(config: ModelConfig, params: dict, quantization: str | None
                               **(calibrate() if calibrates else {}))
     # What is still float among the linear kernels goes int8 (for int4: the embedding / head),
     # or for fp8 the decoder layers' (stacked) kernels fp8 and the embedding / head int8.
-    return jax.tree.map(lambda w, k: w if k is None or done(w) else quantize(
-        w, *k, fmt=fmt if w.ndim > k[0] + k[1] else "int8"), params, kernels, is_leaf=done)
+    to_int8 = lambda params, kernels: jax.tree.map(
+        lambda w, k: w if k is None or done(w) else quantize(
+            w, *k, fmt=fmt if w.ndim > k[0] + k[1] else "int8"), params, kernels, is_leaf=done)
+    if quantization == "mixed":  # its layers as allocated, the rest (the embedding) int8
+      rest = lambda tree: {k: v for k, v in tree.items() if k != "layers"}
+      return {**to_int8(rest(params), rest(kernels)), "layers": _mixed(params)["layers"]}
+    return to_int8(params, kernels)
+
+  def _mixed(params):
+    model, k = CausalLM(config), quantization_cache.key(
+        config, params, "mixed-sensitivity", {n: options[n] for n in options if n not in BUDGETS},
+        tokens, int8_transposed)
+    return mixed_quantize(
+        params, declared, kernels, model=model, calibration=tokens,
+        **{n: options[n] for n in ("method", "group_size", "sym", "granularity", *BUDGETS)},
+        sensitivity_cache=lambda compute: quantization_cache.cached_array(k, compute),
+        calibrate=lambda **kw: calibrate_stats(model, params, declared, tokens, **kw),
+        norm_offset=1.0 if config.gemma_norm else 0.0)
 
   if not calibrates:
     return run(params)
   key = quantization_cache.key(config, params, quantization, options, tokens, int8_transposed)
   return quantization_cache.cached(key, quantization, options, lambda: run(params))
+
+
+def _check_mixed_model(config: ModelConfig, params: dict, declared: dict, options: dict) -> None:
+  """What `check_config` cannot see without the model: its feed-forward kind and the bits its
+  shapes allow."""
+  if any(config.moe_layers):
+    raise ParameterError("quantization", "quantization='mixed' allocates dense decoder layers; "
+                         "this model has MoE layers (use int4 or int8)")
+  bits = options["bits"]
+  if bits is not None:
+    lo, hi = bits_range(params, declared, options["group_size"])
+    if not lo <= bits <= hi:
+      raise ParameterError("quantization_config", f"quantization_config: bits {bits} is outside "
+                           f"what this model's layers can take: {lo:.3f} (all int4 in groups of "
+                           f"up to {options['group_size']}, float32 scale and offset per group) "
+                           f"to {hi:.3f} (all float)")
 
 
 def _calibration(tokenizer):

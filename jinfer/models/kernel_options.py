@@ -12,7 +12,8 @@ from jax.sharding import Mesh
 # the group-wise codebook form. "gguf": a GGUF file's blocks kept quantized.
 # "fp8": float8 e4m3 weights per output channel, activations float8 per token (vLLM's
 # FP8-dynamic) or float (W8A16-FP8, `fp8_activations=False`).
-QUANTIZATIONS = (None, "int8", "w8a8", "int4", "mxfp4", "nvfp4", "gguf", "fp8")
+# "mixed": each layer int4, int8 (W8A16) or float by measured sensitivity (jinfer/quant/mixed.py).
+QUANTIZATIONS = (None, "int8", "w8a8", "int4", "mxfp4", "nvfp4", "gguf", "fp8", "mixed")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -93,11 +93,13 @@ class Linear(nn.Module):
     (jinfer/models/lora.py); the adapters stay float over a quantized kernel."""
     out_shape = self.shape[self.n_in:]
     n_out = len(out_shape)
-    # A kernel a checkpoint left float (an lm_head outside its quantized layers) stays float.
     stored = (self.get_variable("params", "kernel") if self.has_variable("params", "kernel")
               else None)
-    if self.kernels.quantization in INT8_KERNELS and not isinstance(stored, jax.Array):
-      flip = self.kernels.int8_transposed
+    # A kernel a checkpoint left float (an lm_head outside its quantized layers) stays float;
+    # mixed precision stores int8 kernels beside float ones: a stored `QArray` says which.
+    if isinstance(stored, QArray) or (self.kernels.quantization in INT8_KERNELS
+                                      and not isinstance(stored, jax.Array)):
+      flip = stored.transposed if isinstance(stored, QArray) else self.kernels.int8_transposed
       init = lambda _, shape, dtype: QArray(
           values=jnp.zeros(out_shape + shape[:self.n_in] if flip else shape, jnp.int8),
           scale=jnp.ones(out_shape, jnp.float32), n_in=self.n_in, n_out=n_out, transposed=flip)
@@ -285,6 +287,44 @@ class DecoderLayer(nn.Module):
     return (x + y, kv_cache), load
 
 
+def _scan(length: int, unroll: bool):
+  """DecoderLayer scanned over `length` stacked layers (`unroll`: see `CausalLM.unroll_scan`)."""
+  return nn.scan(DecoderLayer, variable_axes={"params": 0, "lora": 0},
+                 split_rngs={"params": True}, in_axes=(0,) + (nn.broadcast,) * 6,
+                 length=length, metadata_params={nn.PARTITION_NAME: "layers"},
+                 unroll=length if unroll else 1)
+
+
+class LayerRuns(nn.Module):
+  """The layer stack as consecutive runs, each scanned over its own stack (`run_i`): layers of
+  different param types cannot share one scanned stack. A step compiles one layer body per run
+  and stays one program."""
+  config: ModelConfig
+  kernels: KernelOptions
+  dtype: Any
+  runs: tuple[int, ...]
+  unroll: bool
+
+  @nn.compact
+  def __call__(self, carry, layers: LayerInputs, *rest):
+    start, loads = 0, []
+    for i, n in enumerate(self.runs):
+      own = jax.tree.map(lambda a: a[start:start + n], layers)  # each [n]
+      carry, load = _scan(n, self.unroll)(self.config, self.kernels, self.dtype,
+                                          name=f"run_{i}")(carry, own, *rest)
+      start += n
+      loads.append(load)
+    return carry, None if loads[0] is None else jnp.concatenate(loads)
+
+
+def layer_runs(params: dict) -> tuple[int, ...]:
+  """The run lengths of a layer stack held as runs (`LayerRuns`), () for one stack."""
+  stack = params.get("layers", {})
+  if "run_0" not in stack:
+    return ()
+  return tuple(jax.tree.leaves(stack[f"run_{i}"])[0].shape[0] for i in range(len(stack)))
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _decoder_layer(config: ModelConfig, kernels: KernelOptions, dtype, params, lora, *args):
   """One unrolled layer, jitted so that its trace is made once and reused by every layer (the
@@ -341,6 +381,10 @@ class CausalLM(nn.Module):
   # only): the compile-only tier found 400 MB of copies in a 2-layer Llama-3.1-8B decode step on
   # an H100, tripling what decode reads; unrolled there are none.
   unroll_scan: bool = False
+  # Consecutive runs of layers whose params differ in type (mixed precision: a run's layers
+  # share one int4 / int8 / float assignment), each its own stack `params["layers"]["run_i"]`
+  # scanned on its own (`layer_runs(params)`). Empty: one stack of every layer.
+  layer_runs: tuple[int, ...] = ()
 
   @nn.compact
   def __call__(
@@ -392,12 +436,14 @@ class CausalLM(nn.Module):
       if self.has_variable("lora", "mlp_layers"):
         ffn_stacks["lora_mlp_layers"] = self.get_variable("lora", "mlp_layers")
     if self.scan_layers:
-      stack = nn.scan(DecoderLayer, variable_axes={"params": 0, "lora": 0},
-                      split_rngs={"params": True}, in_axes=(0,) + (nn.broadcast,) * 6,
-                      length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"},
-                      unroll=c.num_layers if self.unroll_scan else 1)
-      (x, kv_cache), loads = stack(c, self.kernels, self.dtype, name="layers")(
-          (x, kv_cache), layers, cos, sin, md, live, ffn_stacks, lora)
+      rest = (cos, sin, md, live, ffn_stacks, lora)
+      if self.layer_runs:
+        (x, kv_cache), loads = LayerRuns(c, self.kernels, self.dtype, self.layer_runs,
+                                         self.unroll_scan, name="layers")(
+            (x, kv_cache), layers, *rest)
+      else:
+        (x, kv_cache), loads = _scan(c.num_layers, self.unroll_scan)(
+            c, self.kernels, self.dtype, name="layers")((x, kv_cache), layers, *rest)
     else:
       # The adapter slots stay stacked (they change while the engine runs, so no per-layer
       # views of them): each layer takes its slice.
@@ -499,7 +545,7 @@ def lm_head(params: dict, config: ModelConfig, kernels: KernelOptions, x: jax.Ar
 
 
 def _embedding_init(kernels: KernelOptions, key, shape, dtype):
-  if kernels.quantization in INT8_KERNELS:
+  if kernels.quantization in INT8_KERNELS + ("mixed",):  # mixed: int8 as under int4
     return QArray(values=jnp.zeros(shape, jnp.int8), scale=jnp.ones(shape[:1], jnp.float32),
                   n_in=1, n_out=1, transposed=True)
   return _init(key, shape, dtype)
@@ -510,10 +556,18 @@ def unstack_layers(params: dict, num_layers: int) -> dict:
   (each leaf a separate array, so no layer's weights are sliced out of a stack at run time).
 
   On the CPU each layer's array is a view of the stacked one (no copy): the scanned and the
-  unrolled stack then run from one copy of the weights."""
+  unrolled stack then run from one copy of the weights. A stack held as runs (`LayerRuns`)
+  unstacks run after run."""
   out = {k: v for k, v in params.items() if k != "layers"}
-  for i in range(num_layers):
-    out[f"layers_{i}"] = jax.tree.map(lambda a: _layer_view(a, i), params["layers"])
+  runs = layer_runs(params)
+  stacks = ([params["layers"][f"run_{r}"] for r in range(len(runs))] if runs
+            else [params["layers"]])
+  i = 0
+  for stack in stacks:
+    for j in range(jax.tree.leaves(stack)[0].shape[0]):
+      out[f"layers_{i}"] = jax.tree.map(lambda a: _layer_view(a, j), stack)
+      i += 1
+  assert i == num_layers, (i, num_layers)
   return out
 
 

@@ -55,7 +55,7 @@ class LinearStats:
   rows: np.ndarray | None = None  # [L, n, K] the same n rows in every layer
 
 
-def _batch(token_ids: Sequence[int], seq_len: int, page_size: int = 16):
+def prefill_batch(token_ids: Sequence[int], seq_len: int, page_size: int = 16):
   """A prefill batch of the tokens cut into sequences of up to seq_len: (ids, positions, metadata,
   number of pages)."""
   chunks = [list(token_ids[i:i + seq_len]) for i in range(0, len(token_ids), seq_len)]
@@ -102,7 +102,7 @@ def calibrate(model: nn.Module, params: dict, kernels: dict, token_ids: Sequence
     raise ValueError("calibrate runs a scanned layer stack (scan_layers=True): its module paths "
                      "are the stacked params' paths")
   c = model.config
-  ids, pos, md, num_pages, last_rows = _batch(token_ids, seq_len)
+  ids, pos, md, num_pages, last_rows = prefill_batch(token_ids, seq_len)
   t = int(ids.shape[0])
   spec = KVCacheSpec(num_layers=c.num_layers, num_pages=num_pages, page_size=16,
                      num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=model.dtype)

@@ -86,8 +86,22 @@ def apply_awq(params: dict, kernels: dict, stats: dict[tuple[str, ...], LinearSt
               group_size: int, sym: bool, clip: bool = True, n_grid: int = 20,
               norm_offset: float = 0.0, fmt: str | None = None, verbose: bool = True) -> dict:
   """AWQ's scales searched and folded into every scale group of the layer stack, then (`clip`)
-  each kernel's clipping search. Returns float params (the same function as before, but for the
-  clipping) ready for `quantize_rtn`."""
+  each kernel's clipping search (`fmt`: onto a micro-float format's grid, see `quantize_model`).
+  Returns float params (the same function as before, but for the clipping) ready for
+  `quantize_rtn`."""
+  folded, in_scale = fold_awq(params, kernels, stats, group_size=group_size, sym=sym,
+                              n_grid=n_grid, norm_offset=norm_offset, fmt=fmt, verbose=verbose)
+  if not clip:
+    return folded
+  return clip_awq(folded, kernels, stats, in_scale, group_size=group_size, sym=sym,
+                  n_grid=n_grid, fmt=fmt, verbose=verbose)
+
+
+def fold_awq(params: dict, kernels: dict, stats: dict[tuple[str, ...], LinearStats], *,
+             group_size: int, sym: bool, n_grid: int = 20, norm_offset: float = 0.0,
+             fmt: str | None = None, verbose: bool = True) -> tuple[dict, dict]:
+  """AWQ's scales searched and folded in: (float params computing the same function, the
+  scales [L, K] folded into each linear's input, by path relative to the stack)."""
   stack, kst = params[STACK], kernels[STACK]
   in_scale = {}  # linear path -> the scales folded into its input [L, K]
   for grp in folding.layer_groups(stack, kst):
@@ -105,22 +119,30 @@ def apply_awq(params: dict, kernels: dict, stats: dict[tuple[str, ...], LinearSt
       names = "+".join(p[-1] for p in grp.linears)
       print(f"awq: {names} scales, alpha {best.min():.2f}..{best.max():.2f} over layers "
             f"({time.perf_counter() - t:.1f} s)", file=sys.stderr, flush=True)
-  if clip:
-    for path, decl in _stacked_kernels(params, kernels):
-      rel = path[1:]
-      if path[0] != STACK or rel in folding.SCORE_LINEARS or path not in stats:
-        continue
-      t = time.perf_counter()
-      w = folding.get(stack, rel + ("kernel",))
-      flat = folding.flat_kernel(w, decl)
-      x = jnp.asarray(stats[path].rows)  # [L, n, K]
-      if rel in in_scale:
-        x = x / in_scale[rel][:, None, :]
-      clipped = awq.clip_weights(x, flat, group_size=group_size_for(flat.shape[-2], group_size),
-                                 sym=sym, n_grid=n_grid, fmt=fmt)
-      stack = folding.replace(stack, rel + ("kernel",), clipped.reshape(w.shape).astype(w.dtype))
-      if verbose:
-        print(f"awq: {rel[-1]} clipped ({time.perf_counter() - t:.1f} s)", file=sys.stderr, flush=True)
+  return {**params, STACK: stack}, in_scale
+
+
+def clip_awq(params: dict, kernels: dict, stats: dict[tuple[str, ...], LinearStats],
+             in_scale: dict, *, group_size: int, sym: bool, n_grid: int = 20,
+             fmt: str | None = None, verbose: bool = True) -> dict:
+  """AWQ's clipping search on every calibrated kernel of `fold_awq`'s params (`in_scale`: its
+  scales, by which the calibration rows are divided to match)."""
+  stack = params[STACK]
+  for path, decl in _stacked_kernels(params, kernels):
+    rel = path[1:]
+    if path[0] != STACK or rel in folding.SCORE_LINEARS or path not in stats:
+      continue
+    t = time.perf_counter()
+    w = folding.get(stack, rel + ("kernel",))
+    flat = folding.flat_kernel(w, decl)
+    x = jnp.asarray(stats[path].rows)  # [L, n, K]
+    if rel in in_scale:
+      x = x / in_scale[rel][:, None, :]
+    clipped = awq.clip_weights(x, flat, group_size=group_size_for(flat.shape[-2], group_size),
+                               sym=sym, n_grid=n_grid, fmt=fmt)
+    stack = folding.replace(stack, rel + ("kernel",), clipped.reshape(w.shape).astype(w.dtype))
+    if verbose:
+      print(f"awq: {rel[-1]} clipped ({time.perf_counter() - t:.1f} s)", file=sys.stderr, flush=True)
   return {**params, STACK: stack}
 
 
