@@ -62,11 +62,11 @@ from jinfer.weights.quantized_checkpoint import is_quantized_checkpoint, read_me
 CONFIG_KEYS = {"int8": {}, "w8a8": {"smoothquant": True, "alpha": 0.7, "gptq": True},
                "int4": {"method": "rtn", "group_size": 128, "sym": False}, "gguf": {},
                **{fmt: {"method": "rtn"} for fmt in FORMATS},
-               "fp8": {"activations": "fp8"}}
-FP4_METHODS = ("rtn", "awq")
-FP8_ACTIVATIONS = ("fp8", "float")  # quantization_config["activations"] of "fp8"
+               "fp8": {"activations": "fp8"},
                "mixed": {"bits": None, "max_ppl_increase": None, "method": "awq",
                          "group_size": 128, "sym": False, "granularity": "linear"}}
+FP4_METHODS = ("rtn", "awq")
+FP8_ACTIVATIONS = ("fp8", "float")  # quantization_config["activations"] of "fp8"
 # The budgets of "mixed", exactly one of which is given.
 BUDGETS = ("bits", "max_ppl_increase")
 
