@@ -23,7 +23,6 @@ tree's E is also estimated from the heads' held-back hit rates (`expected_tokens
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinfer.quant import allocation, folding, sensitivity
-from jinfer.quant.allocation import FLOAT, INT4, INT8
+from jinfer.quant.allocation import FLOAT, INT4
 from jinfer.quant.calibration import LinearStats
 from jinfer.quant.groupwise import GroupwiseArray
 from jinfer.quant.model import (STACK, _stacked_kernels, clip_awq, fold_awq, group_size_for,

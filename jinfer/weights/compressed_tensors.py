@@ -28,23 +28,19 @@ headers before any weight is read, and errors name the tensor and the config fie
 from __future__ import annotations
 
 import dataclasses
-import json
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jinfer.weights.channel_tensor import ChannelTensor
 from jinfer.weights.groupwise_tensor import GroupwiseTensor, GroupwiseWeights
 from jinfer.weights.hf_layout import WeightError
 from jinfer.weights.hf_quantized import _group_order, _nibbles
-from jinfer.weights.safetensors_dir import _open, _tensor_files
+from jinfer.weights.safetensors_dir import TensorFiles
 
 _CF = "quantization_config"
 FORMATS = ("int-quantized", "float-quantized", "pack-quantized")
 _VALUES = {"int-quantized": "I8", "float-quantized": "F8_E4M3", "fp8": "F8_E4M3"}
 _SCALE_DTYPES = ("F32", "BF16", "F16")
-FP8 = np.dtype(jnp.float8_e4m3fn)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -150,28 +146,8 @@ def _hf_fp8_scheme(q: dict, source: str) -> Scheme:
 def read(path: str, s: Scheme) -> GroupwiseWeights:
   """Every quantized linear of HF directory `path` (HF module name -> `ChannelTensor` [N, K] or
   `GroupwiseTensor` [K, N]) and every other tensor under its HF name, as stored."""
-  files = _tensor_files(path)
-  handles: dict[str, object] = {}
-
-  def handle(name: str):
-    file = files[name]
-    if file not in handles:
-      handles[file] = _open(file)
-    return handles[file]
-
-  def read_tensor(name: str) -> np.ndarray:
-    try:
-      if header(name)[1] == "F8_E4M3":  # safetensors' numpy and flax readers lack float8
-        return _raw_float8(files[name], name)
-      with jax.default_device(jax.local_devices(backend="cpu")[0]):
-        return np.asarray(handle(name).get_tensor(name))
-    except Exception as e:
-      raise WeightError(f"{files[name]}: cannot read tensor {name!r} ({e})") from None
-
-  def header(name: str) -> tuple[tuple[int, ...], str]:
-    sl = handle(name).get_slice(name)
-    return tuple(sl.get_shape()), sl.get_dtype()
-
+  tensors = TensorFiles(path)
+  files, header, read_tensor = tensors.files, tensors.header, tensors.read
   if s.format == "pack-quantized":
     prefixes = sorted(n.removesuffix(".weight_packed") for n in files
                       if n.endswith(".weight_packed"))
@@ -190,17 +166,6 @@ def read(path: str, s: Scheme) -> GroupwiseWeights:
       "weight_zero_point", "weight_g_idx", "input_scale", "activation_scale")}
   floats = {name: read_tensor(name) for name in sorted(files) if name not in taken}
   return GroupwiseWeights(linears, floats, {})
-
-
-def _raw_float8(file: str, name: str) -> np.ndarray:
-  """A float8_e4m3fn tensor's bytes as laid out in the file: an 8-byte header length, the JSON
-  header, then the data (safetensors' format)."""
-  with open(file, "rb") as fh:
-    size = int.from_bytes(fh.read(8), "little")
-    entry = json.loads(fh.read(size))[name]
-    start, end = entry["data_offsets"]
-    fh.seek(8 + size + start)
-    return np.frombuffer(fh.read(end - start), FP8).reshape(entry["shape"])
 
 
 def _need(s: Scheme, name: str, files, why: str) -> None:

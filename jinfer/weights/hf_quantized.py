@@ -30,12 +30,11 @@ import dataclasses
 import json
 import os
 
-import jax
 import numpy as np
 
 from jinfer.weights.groupwise_tensor import GroupwiseTensor, GroupwiseWeights
 from jinfer.weights.hf_layout import WeightError
-from jinfer.weights.safetensors_dir import _open, _tensor_files
+from jinfer.weights.safetensors_dir import TensorFiles
 
 METHODS = ("awq", "gptq")
 _GPTQ_FORMATS = ("gptq", "gptq_v2")
@@ -138,26 +137,8 @@ def read_hf_groupwise(path: str) -> GroupwiseWeights:
   [K, N]), every other tensor under its HF name as stored (embeddings, norms, biases, layers
   left unquantized such as lm_head). Nothing is dequantized."""
   scheme = quant_scheme(path)
-  files = _tensor_files(path)
-  handles: dict[str, object] = {}
-
-  def handle(name: str):
-    file = files[name]
-    if file not in handles:
-      handles[file] = _open(file)
-    return handles[file]
-
-  def read(name: str) -> np.ndarray:
-    try:
-      with jax.default_device(jax.local_devices(backend="cpu")[0]):  # on the host
-        return np.asarray(handle(name).get_tensor(name))
-    except Exception as e:
-      raise WeightError(f"{files[name]}: cannot read tensor {name!r} ({e})") from None
-
-  def header(name: str) -> tuple[tuple[int, ...], str]:  # (shape, safetensors dtype), no data
-    s = handle(name).get_slice(name)
-    return tuple(s.get_shape()), s.get_dtype()
-
+  tensors = TensorFiles(path)
+  files, header, read = tensors.files, tensors.header, tensors.read
   prefixes = sorted(n.removesuffix(".qweight") for n in files if n.endswith(".qweight"))
   if not prefixes:
     raise WeightError(f"{path}: {scheme.source} declares {scheme.method.upper()} but no tensor "

@@ -44,6 +44,45 @@ def _open(file: str):
     raise WeightError(f"{file}: unreadable safetensors file ({e})") from None
 
 
+class TensorFiles:
+  """The tensors of an HF safetensors directory by name: their headers (shape and safetensors
+  dtype, no data read) and their values on the host, each file opened once."""
+
+  def __init__(self, path: str):
+    self.files = _tensor_files(path)  # tensor name -> the file holding it
+    self._handles: dict[str, object] = {}
+
+  def _handle(self, name: str):
+    file = self.files[name]
+    if file not in self._handles:
+      self._handles[file] = _open(file)
+    return self._handles[file]
+
+  def header(self, name: str) -> tuple[tuple[int, ...], str]:
+    sl = self._handle(name).get_slice(name)
+    return tuple(sl.get_shape()), sl.get_dtype()
+
+  def read(self, name: str) -> np.ndarray:
+    try:
+      if self.header(name)[1] == "F8_E4M3":  # safetensors' numpy and flax readers lack float8
+        return _raw_float8(self.files[name], name)
+      with jax.default_device(jax.local_devices(backend="cpu")[0]):  # on the host until placed
+        return np.asarray(self._handle(name).get_tensor(name))
+    except Exception as e:
+      raise WeightError(f"{self.files[name]}: cannot read tensor {name!r} ({e})") from None
+
+
+def _raw_float8(file: str, name: str) -> np.ndarray:
+  """A float8_e4m3fn tensor's bytes as laid out in the file: an 8-byte header length, the JSON
+  header, then the data (safetensors' format)."""
+  with open(file, "rb") as fh:
+    size = int.from_bytes(fh.read(8), "little")
+    entry = json.loads(fh.read(size))[name]
+    start, end = entry["data_offsets"]
+    fh.seek(8 + size + start)
+    return np.frombuffer(fh.read(end - start), jnp.float8_e4m3fn).reshape(entry["shape"])
+
+
 def _text_stack_names(name: str) -> tuple[str, ...]:
   """Where a multimodal checkpoint (Gemma-3) keeps the text model's `model.X`: transformers 5
   saves `model.language_model.X`, older files `language_model.model.X`."""
